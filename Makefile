@@ -1,0 +1,44 @@
+# Tandem — build, test and run targets. `make test` is the one command CI runs.
+SHELL := /bin/bash
+PY_VENV := .venv
+PYTHON := $(CURDIR)/$(PY_VENV)/bin/python
+MODEL_DIR := $(CURDIR)/.cache/models
+export TANDEM_PYTHON := $(PYTHON)
+export TANDEM_MODEL_DIR := $(MODEL_DIR)
+
+.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds
+
+## test: everything CI checks (format, lints, generated files, unit + integration tests)
+test: lint crd-check pyenv model unit validate-crd
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+
+unit:
+	cargo test --workspace
+
+## crds: regenerate crds/ from the Rust types
+crds:
+	cargo run -q -p tandem-operator --bin crdgen > crds/pddeployment.yaml
+
+crd-check:
+	cargo run -q -p tandem-operator --bin crdgen | diff -u crds/pddeployment.yaml - \
+	  || (echo "crds/pddeployment.yaml is stale: run 'make crds'" >&2; exit 1)
+
+validate-crd: pyenv
+	$(PY_VENV)/bin/kubernetes-validate --strict --kubernetes-version 1.33.0 crds/pddeployment.yaml
+
+## pyenv: Python tools used by tests (CRD schema validation, reference forward pass)
+pyenv: $(PY_VENV)/.stamp
+$(PY_VENV)/.stamp: scripts/requirements-test.txt
+	python3 -m venv $(PY_VENV)
+	$(PY_VENV)/bin/pip install -q -r scripts/requirements-test.txt
+	touch $@
+
+## model: fetch SmolLM2-135M-Instruct Q4_1 into .cache/models (git-ignored)
+model:
+	scripts/fetch-model.sh
+
+fmt:
+	cargo fmt --all

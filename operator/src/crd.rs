@@ -1,0 +1,653 @@
+//! The `PDDeployment` custom resource (`tandem.dev/v1alpha1`, short name `pdd`).
+//!
+//! The spec says how many bootstrap groups to run and how to build their prefill and
+//! decode pods; the status is both the user's view and the operator's memory between
+//! reconciles (group incarnations, co-restart counts, backoff deadlines), so a restarted
+//! operator picks up exactly where the previous one stopped.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// API group of every Tandem resource, label and annotation.
+pub const GROUP: &str = "tandem.dev";
+
+/// A set of bootstrap groups, each made of prefill pods and decode pods that live,
+/// restart and are judged healthy together.
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "tandem.dev",
+    version = "v1alpha1",
+    kind = "PDDeployment",
+    plural = "pddeployments",
+    shortname = "pdd",
+    namespaced,
+    status = "PDDeploymentStatus",
+    derive = "PartialEq",
+    doc = "A prefill/decode disaggregated model deployment made of bootstrap groups that restart together.",
+    scale(
+        spec_replicas_path = ".spec.groups",
+        status_replicas_path = ".status.groups",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn(
+        name = "Groups",
+        type_ = "integer",
+        json_path = ".spec.groups",
+        description = "desired bootstrap groups"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "integer",
+        json_path = ".status.readyGroups",
+        description = "groups whose every member is ready at one incarnation"
+    ),
+    printcolumn(
+        name = "Updated",
+        type_ = "integer",
+        json_path = ".status.updatedGroups",
+        description = "groups at the update revision"
+    ),
+    printcolumn(
+        name = "Available",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Available\")].status"
+    ),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[serde(rename_all = "camelCase")]
+pub struct PDDeploymentSpec {
+    /// The model every pod serves.
+    pub model: ModelSpec,
+    /// Number of bootstrap groups (the scale subresource acts on this field).
+    #[serde(default = "default_groups")]
+    #[schemars(range(min = 0))]
+    pub groups: i32,
+    /// Prefill pods of each group.
+    pub prefill: RoleSpec,
+    /// Decode pods of each group (the client-facing front door).
+    pub decode: RoleSpec,
+    #[serde(default)]
+    pub transfer: TransferSpec,
+    #[serde(default)]
+    pub health: HealthSpec,
+    #[serde(default)]
+    pub restart: RestartSpec,
+    #[serde(default)]
+    pub rollout: RolloutSpec,
+}
+
+fn default_groups() -> i32 {
+    1
+}
+
+/// Where the model lives inside the pods.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSpec {
+    /// Name the OpenAI API serves the model under.
+    #[schemars(length(min = 1))]
+    pub name: String,
+    /// Path of the GGUF file inside the pod.
+    #[schemars(length(min = 1))]
+    pub path: String,
+    /// Volume that holds the model file; without one the image must contain it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<ModelVolume>,
+}
+
+/// A read-only volume holding the model: a PersistentVolumeClaim or a host path.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelVolume {
+    /// Name of a PersistentVolumeClaim in the same namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_name: Option<String>,
+    /// Path on the node (for single-node and test clusters).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_path: Option<String>,
+    /// Where the volume is mounted in the dataplane container.
+    #[serde(default = "default_mount_path")]
+    pub mount_path: String,
+}
+
+fn default_mount_path() -> String {
+    "/models".into()
+}
+
+/// Replicas per group, pod template and extra dataplane arguments of one role.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RoleSpec {
+    /// Pods of this role in every group.
+    #[serde(default = "default_replicas")]
+    #[schemars(range(min = 1, max = 64))]
+    pub replicas: i32,
+    pub template: PodTemplate,
+    /// Extra arguments appended to the dataplane command line.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+}
+
+fn default_replicas() -> i32 {
+    1
+}
+
+/// The parts of a pod a user sets; the operator fills in everything else (command,
+/// ports, probes, readiness gate, labels, environment for the group).
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodTemplate {
+    /// Dataplane container image.
+    #[schemars(length(min = 1))]
+    pub image: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+    /// Extra labels for the pods (the operator's own labels win on conflict).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account_name: Option<String>,
+}
+
+/// Ports and timeouts of the KV transfer channel.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TransferSpec {
+    /// HTTP port of every dataplane pod (OpenAI API, /health, /ready, /metrics).
+    #[serde(default = "default_http_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub http_port: i32,
+    /// KV transfer (bootstrap) port of the prefill pods.
+    #[serde(default = "default_kv_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub kv_port: i32,
+    /// Longest a handshake may take before the peer is counted as unreachable.
+    #[serde(default = "default_bootstrap_timeout")]
+    #[schemars(range(min = 1))]
+    pub bootstrap_timeout_seconds: i32,
+    /// Longest a room may go without progress (waiting for or receiving KV).
+    #[serde(default = "default_kv_timeout")]
+    #[schemars(range(min = 1))]
+    pub kv_timeout_seconds: i32,
+}
+
+fn default_http_port() -> i32 {
+    8000
+}
+fn default_kv_port() -> i32 {
+    5600
+}
+fn default_bootstrap_timeout() -> i32 {
+    10
+}
+fn default_kv_timeout() -> i32 {
+    10
+}
+
+impl Default for TransferSpec {
+    fn default() -> Self {
+        Self {
+            http_port: default_http_port(),
+            kv_port: default_kv_port(),
+            bootstrap_timeout_seconds: default_bootstrap_timeout(),
+            kv_timeout_seconds: default_kv_timeout(),
+        }
+    }
+}
+
+/// How the channel is probed and how long a broken group is tolerated.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthSpec {
+    /// Period of the PING/PONG channel probe and of the pods' readiness probes.
+    #[serde(default = "default_probe_period")]
+    #[schemars(range(min = 1))]
+    pub probe_period_seconds: i32,
+    /// Consecutive failed probes before a pod reports not-ready.
+    #[serde(default = "default_failure_threshold")]
+    #[schemars(range(min = 1))]
+    pub failure_threshold: i32,
+    /// How long a member that was Ready may stay not-ready before its group is co-restarted.
+    #[serde(default = "default_co_restart_after")]
+    #[schemars(range(min = 1))]
+    pub co_restart_after_seconds: i32,
+}
+
+fn default_probe_period() -> i32 {
+    2
+}
+fn default_failure_threshold() -> i32 {
+    3
+}
+fn default_co_restart_after() -> i32 {
+    30
+}
+
+impl Default for HealthSpec {
+    fn default() -> Self {
+        Self {
+            probe_period_seconds: default_probe_period(),
+            failure_threshold: default_failure_threshold(),
+            co_restart_after_seconds: default_co_restart_after(),
+        }
+    }
+}
+
+/// What the operator does with a broken group.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum RestartPolicy {
+    /// Delete the whole group (decode first, then prefill) and rebuild it, prefill first.
+    #[default]
+    CoRestartGroup,
+    /// Never delete a pod; only report what would have been done.
+    None,
+}
+
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RestartSpec {
+    #[serde(default)]
+    pub policy: RestartPolicy,
+    #[serde(default)]
+    pub backoff: BackoffSpec,
+}
+
+/// Exponential backoff between co-restarts of the same group: base × 2^(n-1), capped.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BackoffSpec {
+    #[serde(default = "default_backoff_base")]
+    #[schemars(range(min = 1))]
+    pub base_seconds: i32,
+    #[serde(default = "default_backoff_max")]
+    #[schemars(range(min = 1))]
+    pub max_seconds: i32,
+}
+
+fn default_backoff_base() -> i32 {
+    10
+}
+fn default_backoff_max() -> i32 {
+    300
+}
+
+impl Default for BackoffSpec {
+    fn default() -> Self {
+        Self {
+            base_seconds: default_backoff_base(),
+            max_seconds: default_backoff_max(),
+        }
+    }
+}
+
+/// Rolling update of groups to a new revision.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutSpec {
+    /// Most groups that may be down at once on the rollout's account.
+    #[serde(default = "default_max_unavailable")]
+    #[schemars(range(min = 1))]
+    pub max_unavailable_groups: i32,
+    /// Groups with an index below this stay on their revision.
+    #[serde(default)]
+    #[schemars(range(min = 0))]
+    pub partition: i32,
+    /// Stop starting new group updates.
+    #[serde(default)]
+    pub paused: bool,
+}
+
+fn default_max_unavailable() -> i32 {
+    1
+}
+
+impl Default for RolloutSpec {
+    fn default() -> Self {
+        Self {
+            max_unavailable_groups: default_max_unavailable(),
+            partition: 0,
+            paused: false,
+        }
+    }
+}
+
+/// Observed state, and the operator's memory of each group.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PDDeploymentStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Groups that currently exist (have at least one pod or are being built).
+    #[serde(default)]
+    pub groups: i32,
+    #[serde(default)]
+    pub ready_groups: i32,
+    #[serde(default)]
+    pub updated_groups: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_revision: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update_revision: Option<String>,
+    /// Label selector of the decode pods, for the scale subresource.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// One entry per group, ordered by index.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub group_statuses: Vec<GroupStatus>,
+    /// Pod-shaping part of the spec at `currentRevision`, kept so that groups held back
+    /// by `partition` or `paused` can be rebuilt at their revision after a failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_template: Option<RevisionedSpec>,
+}
+
+/// Life-cycle phase of a group.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum GroupPhase {
+    /// Nothing exists yet.
+    #[default]
+    Pending,
+    /// Prefill pods exist; waiting for all of them to be Ready.
+    StartingPrefill,
+    /// Decode pods exist; waiting for all of them to be Ready.
+    StartingDecode,
+    /// Every member Ready at one incarnation; the decode pods receive traffic.
+    Ready,
+    /// A member is not Ready (or gone, or failed); a co-restart may follow.
+    Broken,
+    /// Old members are being removed, decode first, before the rebuild.
+    Restarting,
+    /// Index at or above `spec.groups`: being removed, decode first.
+    ScalingDown,
+}
+
+/// Why a group was co-restarted (used in events, status and metrics).
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema)]
+pub enum CoRestartReason {
+    MemberFailed,
+    MemberDeleted,
+    MemberNotReady,
+    IncarnationMismatch,
+    RevisionChanged,
+    RestartRequested,
+}
+
+impl CoRestartReason {
+    pub const ALL: [CoRestartReason; 6] = [
+        Self::MemberFailed,
+        Self::MemberDeleted,
+        Self::MemberNotReady,
+        Self::IncarnationMismatch,
+        Self::RevisionChanged,
+        Self::RestartRequested,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::MemberFailed => "MemberFailed",
+            Self::MemberDeleted => "MemberDeleted",
+            Self::MemberNotReady => "MemberNotReady",
+            Self::IncarnationMismatch => "IncarnationMismatch",
+            Self::RevisionChanged => "RevisionChanged",
+            Self::RestartRequested => "RestartRequested",
+        }
+    }
+}
+
+impl std::fmt::Display for CoRestartReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CoRestartRecord {
+    pub time: Time,
+    pub reason: CoRestartReason,
+}
+
+/// The operator's view of one bootstrap group.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GroupStatus {
+    pub index: i32,
+    /// Revision the group's pods are (or are being) built from.
+    #[serde(default)]
+    pub revision: String,
+    /// Monotonic per group; bumped by every co-restart.
+    #[serde(default)]
+    pub incarnation: i64,
+    #[serde(default)]
+    pub phase: GroupPhase,
+    /// Names of the group's pods seen at this incarnation.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<String>,
+    /// Every decode pod reports its channel to every prefill healthy.
+    #[serde(default)]
+    pub bootstrap_healthy: bool,
+    #[serde(default)]
+    pub co_restarts: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_co_restart: Option<CoRestartRecord>,
+    /// A co-restart is held back by the backoff until this time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_restart_after: Option<Time>,
+    /// When the current incarnation began.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<Time>,
+    /// When the group first became Ready at this incarnation (cleared by a co-restart).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_since: Option<Time>,
+    /// Failure co-restarts since the group was last stable: the backoff's exponent.
+    #[serde(default)]
+    pub backoff_streak: i32,
+    /// A reason for the current phase, when it is not self-explanatory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// The part of the spec that shapes pods. Its hash is the revision: a change here
+/// rolls groups; a change elsewhere (groups, restart, rollout) does not.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RevisionedSpec {
+    pub model: ModelSpec,
+    pub prefill: RoleSpec,
+    pub decode: RoleSpec,
+    pub transfer: TransferSpec,
+    pub health: HealthSpec,
+}
+
+impl RevisionedSpec {
+    pub fn from_spec(spec: &PDDeploymentSpec) -> Self {
+        Self {
+            model: spec.model.clone(),
+            prefill: spec.prefill.clone(),
+            decode: spec.decode.clone(),
+            transfer: spec.transfer.clone(),
+            health: spec.health.clone(),
+        }
+    }
+
+    /// Short stable hash of the pod-shaping spec (serde_json keeps struct field order,
+    /// and maps are BTreeMaps, so the encoding is canonical).
+    pub fn revision(&self) -> String {
+        let json = serde_json::to_vec(self).expect("spec types always serialize");
+        let digest = Sha256::digest(&json);
+        hex::encode(&digest[..5])
+    }
+}
+
+/// The CRD as YAML, exactly as committed in `crds/pddeployment.yaml`.
+pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
+    use kube::CustomResourceExt;
+    let body = serde_yaml::to_string(&PDDeployment::crd())?;
+    Ok(format!(
+        "# Generated by `cargo run -p tandem-operator --bin crdgen`; do not edit.\n---\n{body}"
+    ))
+}
+
+/// Condition types on the PDDeployment.
+pub mod condition {
+    pub const AVAILABLE: &str = "Available";
+    pub const PROGRESSING: &str = "Progressing";
+    pub const DEGRADED: &str = "Degraded";
+    pub const BOOTSTRAP_HEALTHY: &str = "BootstrapHealthy";
+}
+
+/// Labels, annotations and condition types the operator puts on what it owns.
+pub mod labels {
+    pub const DEPLOYMENT: &str = "tandem.dev/deployment";
+    pub const GROUP: &str = "tandem.dev/group";
+    pub const ROLE: &str = "tandem.dev/role";
+    pub const REVISION: &str = "tandem.dev/revision";
+    pub const INCARNATION: &str = "tandem.dev/incarnation";
+    pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+    pub const MANAGER: &str = "tandem-operator";
+    /// Pod readiness gate the operator sets True only while the whole group is Ready.
+    pub const GROUP_READY_GATE: &str = "tandem.dev/group-ready";
+    /// Annotation on the PDDeployment: an RFC 3339 time; a group whose last co-restart is
+    /// older than it is co-restarted (one group at a time, like a rollout).
+    pub const RESTART_REQUESTED_AT: &str = "tandem.dev/restart-requested-at";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::CustomResourceExt;
+
+    #[test]
+    fn revision_ignores_groups_restart_and_rollout() {
+        let mut spec = crate::testutil::spec(2);
+        let r1 = RevisionedSpec::from_spec(&spec).revision();
+        spec.groups = 5;
+        spec.rollout.partition = 3;
+        spec.restart.policy = RestartPolicy::None;
+        assert_eq!(RevisionedSpec::from_spec(&spec).revision(), r1);
+        spec.decode.template.image = "tandem:2".into();
+        assert_ne!(RevisionedSpec::from_spec(&spec).revision(), r1);
+    }
+
+    #[test]
+    fn crd_has_scale_status_short_name_and_columns() {
+        let crd = PDDeployment::crd();
+        assert_eq!(crd.spec.names.short_names, Some(vec!["pdd".to_string()]));
+        let v = &crd.spec.versions[0];
+        let sub = v.subresources.as_ref().expect("subresources");
+        assert!(sub.status.is_some());
+        let scale = sub.scale.as_ref().expect("scale subresource");
+        assert_eq!(scale.spec_replicas_path, ".spec.groups");
+        assert_eq!(scale.status_replicas_path, ".status.groups");
+        assert_eq!(scale.label_selector_path.as_deref(), Some(".status.selector"));
+        let cols: Vec<_> = v
+            .additional_printer_columns
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(cols, ["Groups", "Ready", "Updated", "Available", "Age"]);
+    }
+
+    #[test]
+    fn committed_crd_matches_the_types() {
+        let committed = include_str!("../../crds/pddeployment.yaml");
+        assert!(
+            committed == crd_yaml().unwrap(),
+            "crds/pddeployment.yaml is stale: run `make crds`"
+        );
+    }
+
+    /// The rules a real API server applies to a v1 CRD schema ("structural schema"):
+    /// every node has a type (or is int-or-string / preserve-unknown-fields), no `$ref`,
+    /// no `properties` together with `additionalProperties`, and the logical junctors
+    /// carry no types, defaults or nullability.
+    fn assert_structural(path: &str, node: &serde_json::Value) {
+        let obj = node.as_object().unwrap_or_else(|| panic!("{path}: not an object"));
+        assert!(!obj.contains_key("$ref"), "{path}: $ref is not allowed");
+        let int_or_string = obj.get("x-kubernetes-int-or-string") == Some(&true.into());
+        let preserve = obj.get("x-kubernetes-preserve-unknown-fields") == Some(&true.into());
+        assert!(
+            obj.contains_key("type") || int_or_string || preserve,
+            "{path}: node without type"
+        );
+        assert!(
+            !(obj.contains_key("properties") && obj.contains_key("additionalProperties")),
+            "{path}: properties and additionalProperties together"
+        );
+        for junctor in ["allOf", "anyOf", "oneOf", "not"] {
+            if let Some(j) = obj.get(junctor) {
+                let text = j.to_string();
+                for banned in ["\"type\"", "\"default\"", "\"nullable\"", "\"additionalProperties\""] {
+                    assert!(!text.contains(banned), "{path}.{junctor} contains {banned}");
+                }
+            }
+        }
+        if let Some(props) = obj.get("properties").and_then(|p| p.as_object()) {
+            for (k, v) in props {
+                assert_structural(&format!("{path}.{k}"), v);
+            }
+        }
+        if let Some(items) = obj.get("items") {
+            assert_structural(&format!("{path}[]"), items);
+        }
+        if let Some(ap) = obj.get("additionalProperties").filter(|v| v.is_object()) {
+            assert_structural(&format!("{path}{{}}"), ap);
+        }
+    }
+
+    #[test]
+    fn schema_is_structural_with_bounds() {
+        let crd = serde_json::to_value(PDDeployment::crd()).unwrap();
+        let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+        assert_structural("", schema);
+        let spec = &schema["properties"]["spec"]["properties"];
+        assert_eq!(spec["groups"]["minimum"], 0.0);
+        assert_eq!(spec["prefill"]["properties"]["replicas"]["minimum"], 1.0);
+        assert_eq!(spec["transfer"]["properties"]["kvTimeoutSeconds"]["minimum"], 1.0);
+        assert_eq!(spec["health"]["properties"]["probePeriodSeconds"]["minimum"], 1.0);
+        assert_eq!(
+            spec["rollout"]["properties"]["maxUnavailableGroups"]["minimum"],
+            1.0
+        );
+        let policies = &spec["restart"]["properties"]["policy"]["enum"];
+        assert_eq!(policies, &serde_json::json!(["CoRestartGroup", "None"]));
+    }
+
+    #[test]
+    fn defaults_fill_a_minimal_manifest() {
+        let yaml = r#"
+apiVersion: tandem.dev/v1alpha1
+kind: PDDeployment
+metadata: {name: demo, namespace: default}
+spec:
+  model: {name: smollm2, path: /models/m.gguf}
+  prefill: {template: {image: tandem:1}}
+  decode: {template: {image: tandem:1}}
+"#;
+        let pdd: PDDeployment = serde_yaml::from_str(yaml).unwrap();
+        assert_eq!(pdd.spec.groups, 1);
+        assert_eq!(pdd.spec.prefill.replicas, 1);
+        assert_eq!(pdd.spec.transfer.kv_port, 5600);
+        assert_eq!(pdd.spec.restart.policy, RestartPolicy::CoRestartGroup);
+        assert_eq!(pdd.spec.rollout.max_unavailable_groups, 1);
+    }
+}

@@ -1,0 +1,923 @@
+//! The group planner: a pure function from (desired spec, remembered status, observed
+//! cluster, now) to the actions that move the cluster one step towards the spec, plus the
+//! status to write. No I/O happens here, so the ordering invariants (a decode never runs
+//! against a prefill of another incarnation; co-restarts remove decode first, then
+//! prefill, then rebuild prefill first) are tested exhaustively without an API server.
+//!
+//! A group's life, as derived on every call:
+//! 1. *Restarting*: pods of an older incarnation exist. Delete the decode pods and wait
+//!    until they are gone; then delete the prefill pods and wait until they are gone.
+//! 2. *Building*: create the prefill pods of the current incarnation; once every one of
+//!    them is Ready, create the decode pods; once those are Ready the group is Ready and
+//!    the decode pods' readiness gate is set, so the client Service routes to them.
+//! 3. *Triggers* on a started group: a member Failed, deleted or evicted, a member that
+//!    was Ready stays not-ready past the window, pods of another incarnation, a revision
+//!    change, or a restart request. A co-restart bumps the incarnation and enters phase 1.
+//!    Failure restarts back off exponentially; planned ones (rollout, request) are
+//!    limited by `rollout.maxUnavailableGroups`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+use crate::crd::{
+    CoRestartReason, CoRestartRecord, GroupPhase, GroupStatus, PDDeploymentSpec,
+    PDDeploymentStatus, RestartPolicy, RevisionedSpec, labels,
+};
+
+mod status;
+
+/// Role of a pod inside its group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "prefill" => Some(Role::Prefill),
+            "decode" => Some(Role::Decode),
+            _ => None,
+        }
+    }
+}
+
+/// Pod phase as the kubelet reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodPhase {
+    Pending,
+    Running,
+    Succeeded,
+    Failed,
+    Unknown,
+}
+
+/// What the planner needs to know about one pod the deployment owns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObservedPod {
+    pub name: String,
+    pub group: i32,
+    pub role: Role,
+    pub revision: String,
+    pub incarnation: i64,
+    pub phase: PodPhase,
+    /// `deletionTimestamp` is set (deleted, evicted, being drained).
+    pub terminating: bool,
+    /// The dataplane's own readiness (`ContainersReady`; the pod's `Ready` condition also
+    /// includes the group gate, which the planner itself sets).
+    pub ready: bool,
+    /// When readiness last turned false (`ContainersReady.lastTransitionTime`).
+    pub not_ready_since: Option<Timestamp>,
+    /// Current value of the `tandem.dev/group-ready` condition.
+    pub group_ready_gate: bool,
+}
+
+/// The observed cluster: pods and per-group objects the deployment owns.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Observed {
+    pub pods: Vec<ObservedPod>,
+    pub client_service: bool,
+    pub group_services: BTreeSet<i32>,
+    pub network_policies: BTreeSet<i32>,
+    pub group_secrets: BTreeSet<i32>,
+}
+
+/// Everything the planner reads.
+#[derive(Debug, Clone)]
+pub struct PlanInput<'a> {
+    pub name: &'a str,
+    pub generation: Option<i64>,
+    pub spec: &'a PDDeploymentSpec,
+    /// The status written by the previous reconcile (the operator's memory).
+    pub status: Option<&'a PDDeploymentStatus>,
+    /// Parsed `tandem.dev/restart-requested-at` annotation.
+    pub restart_requested_at: Option<Timestamp>,
+    pub observed: &'a Observed,
+    pub now: Timestamp,
+}
+
+/// A pod the controller must create; it builds the object from these facts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodIntent {
+    pub name: String,
+    pub group: i32,
+    pub role: Role,
+    /// Replica index inside the role (0..replicas).
+    pub index: i32,
+    pub incarnation: i64,
+    pub revision: String,
+    /// The pod-shaping spec of `revision`.
+    pub template: RevisionedSpec,
+}
+
+/// Why a pod is deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeleteReason {
+    /// Part of a co-restart of its group.
+    CoRestart(CoRestartReason),
+    /// Its group index is at or above `spec.groups`.
+    ScaleDown,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventType {
+    Normal,
+    Warning,
+}
+
+/// A Kubernetes Event the controller publishes on the PDDeployment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedEvent {
+    pub type_: EventType,
+    pub reason: String,
+    pub group: i32,
+    pub message: String,
+}
+
+/// One step the controller carries out.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    ApplyClientService,
+    ApplyGroupService { group: i32 },
+    ApplyNetworkPolicy { group: i32 },
+    /// Create (never overwrite) the Secret with the group's random key.
+    CreateGroupSecret { group: i32 },
+    CreatePod(Box<PodIntent>),
+    DeletePod {
+        name: String,
+        group: i32,
+        role: Role,
+        reason: DeleteReason,
+    },
+    /// Patch the decode pod's `tandem.dev/group-ready` status condition.
+    SetGroupReadyGate { pod: String, ready: bool },
+    /// Remove the Service, NetworkPolicy and Secret of a group that was scaled away.
+    DeleteGroupResources { group: i32 },
+    Event(PlannedEvent),
+}
+
+/// A co-restart decided in this plan (for metrics).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CoRestart {
+    pub group: i32,
+    pub reason: CoRestartReason,
+    pub old_incarnation: i64,
+    pub new_incarnation: i64,
+}
+
+/// The planner's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub actions: Vec<Action>,
+    pub status: PDDeploymentStatus,
+    pub co_restarts: Vec<CoRestart>,
+    /// Groups that became Ready in this plan, with how long they took since their
+    /// incarnation began (for the time-to-group-ready histogram).
+    pub became_ready: Vec<(i32, Duration)>,
+    /// Reconcile again after this long even if nothing changes (a backoff expires or a
+    /// not-ready member reaches its window).
+    pub requeue_after: Option<Duration>,
+}
+
+/// Deterministic pod name: deployment, group, incarnation, role, index. The incarnation
+/// in the name keeps a rebuilt pod from colliding with its terminating predecessor.
+pub fn pod_name(deployment: &str, group: i32, incarnation: i64, role: Role, index: i32) -> String {
+    let r = match role {
+        Role::Prefill => 'p',
+        Role::Decode => 'd',
+    };
+    format!("{deployment}-g{group}-i{incarnation}-{r}{index}")
+}
+
+/// Name of a group's headless bootstrap Service (selects its prefill pods).
+pub fn group_service_name(deployment: &str, group: i32) -> String {
+    format!("{deployment}-g{group}-bootstrap")
+}
+
+/// Name of a group's key Secret.
+pub fn group_secret_name(deployment: &str, group: i32) -> String {
+    format!("{deployment}-g{group}-key")
+}
+
+/// Name of a group's NetworkPolicy.
+pub fn network_policy_name(deployment: &str, group: i32) -> String {
+    format!("{deployment}-g{group}-kv")
+}
+
+/// Label selector of the client-facing decode pods.
+pub fn decode_selector(deployment: &str) -> String {
+    format!("{}={deployment},{}=decode", labels::DEPLOYMENT, labels::ROLE)
+}
+
+/// Delay before the co-restart after `streak` consecutive failure co-restarts:
+/// `base × 2^(streak-1)`, capped at `max`.
+pub fn backoff_delay(base_seconds: i32, max_seconds: i32, streak: i32) -> Duration {
+    let base = base_seconds.max(1) as u64;
+    let max = max_seconds.max(1) as u64;
+    let shift = (streak.max(1) - 1).min(32) as u32;
+    Duration::from_secs(base.saturating_mul(1u64 << shift).min(max))
+}
+
+fn is_failure(reason: CoRestartReason) -> bool {
+    !matches!(
+        reason,
+        CoRestartReason::RevisionChanged | CoRestartReason::RestartRequested
+    )
+}
+
+fn add(ts: Timestamp, d: Duration) -> Timestamp {
+    ts.checked_add(SignedDuration::try_from(d).unwrap_or(SignedDuration::MAX))
+        .unwrap_or(Timestamp::MAX)
+}
+
+fn until(now: Timestamp, later: Timestamp) -> Duration {
+    let d = later.duration_since(now);
+    Duration::try_from(d).unwrap_or(Duration::ZERO)
+}
+
+/// Per-call context shared by the group steps.
+struct Ctx<'a> {
+    input: &'a PlanInput<'a>,
+    update: RevisionedSpec,
+    update_revision: String,
+    current: RevisionedSpec,
+    current_revision: String,
+    actions: Vec<Action>,
+    co_restarts: Vec<CoRestart>,
+    became_ready: Vec<(i32, Duration)>,
+    requeue: Option<Duration>,
+}
+
+impl Ctx<'_> {
+    fn requeue_in(&mut self, d: Duration) {
+        let d = d.max(Duration::from_secs(1));
+        self.requeue = Some(self.requeue.map_or(d, |r| r.min(d)));
+    }
+
+    fn event(&mut self, type_: EventType, reason: &str, group: i32, message: String) {
+        self.actions.push(Action::Event(PlannedEvent {
+            type_,
+            reason: reason.to_string(),
+            group,
+            message,
+        }));
+    }
+
+    /// Revision (and its spec) a group should run: the update revision unless the rollout
+    /// is paused or the group is held back by the partition.
+    fn target(&self, group: i32) -> (&str, &RevisionedSpec) {
+        let rollout = &self.input.spec.rollout;
+        if rollout.paused || group < rollout.partition {
+            (&self.current_revision, &self.current)
+        } else {
+            (&self.update_revision, &self.update)
+        }
+    }
+
+    fn policy(&self) -> RestartPolicy {
+        self.input.spec.restart.policy
+    }
+}
+
+/// What a started group would need, found before the rollout budget is applied.
+#[derive(Debug, Clone)]
+struct Trigger {
+    reason: CoRestartReason,
+    detail: String,
+}
+
+/// Plan one reconcile. Pure: same input, same plan.
+pub fn plan(input: &PlanInput<'_>) -> Plan {
+    let update = RevisionedSpec::from_spec(input.spec);
+    let update_revision = update.revision();
+    let prev = input.status.cloned().unwrap_or_default();
+    let (current, current_revision) = match (&prev.current_template, &prev.current_revision) {
+        (Some(t), Some(r)) if &t.revision() == r => (t.clone(), r.clone()),
+        _ => (update.clone(), update_revision.clone()),
+    };
+    let mut ctx = Ctx {
+        input,
+        update,
+        update_revision,
+        current,
+        current_revision,
+        actions: Vec::new(),
+        co_restarts: Vec::new(),
+        became_ready: Vec::new(),
+        requeue: None,
+    };
+
+    let desired_groups = input.spec.groups.max(0);
+    let observed = input.observed;
+
+    if !observed.client_service {
+        ctx.actions.push(Action::ApplyClientService);
+    }
+
+    // Every group index that is desired, remembered or still has pods.
+    let mut indices: BTreeSet<i32> = (0..desired_groups).collect();
+    indices.extend(prev.group_statuses.iter().map(|g| g.index));
+    indices.extend(observed.pods.iter().map(|p| p.group));
+    indices.extend(observed.group_services.iter().copied());
+    indices.extend(observed.network_policies.iter().copied());
+    indices.extend(observed.group_secrets.iter().copied());
+
+    let remembered: BTreeMap<i32, GroupStatus> = prev
+        .group_statuses
+        .iter()
+        .map(|g| (g.index, g.clone()))
+        .collect();
+
+    let mut groups: BTreeMap<i32, GroupStatus> = BTreeMap::new();
+    let mut triggers: BTreeMap<i32, Trigger> = BTreeMap::new();
+
+    // Pass 1: removal of extra groups, recovery of memory, triggers.
+    for &g in &indices {
+        let pods: Vec<&ObservedPod> = observed.pods.iter().filter(|p| p.group == g).collect();
+        if g >= desired_groups {
+            if let Some(mem) = scale_down_group(&mut ctx, g, &pods, remembered.get(&g)) {
+                groups.insert(g, mem);
+            }
+            continue;
+        }
+        let mut mem = remembered.get(&g).cloned().unwrap_or_else(|| GroupStatus {
+            index: g,
+            ..Default::default()
+        });
+        // The status may have been lost or be older than the pods (a status write that
+        // failed): the pods' labels are the truth about incarnations.
+        if let Some(max) = pods.iter().map(|p| p.incarnation).max()
+            && max > mem.incarnation
+        {
+            mem.incarnation = max;
+            if let Some(p) = pods.iter().find(|p| p.incarnation == max) {
+                mem.revision = p.revision.clone();
+            }
+            if mem.phase == GroupPhase::Restarting {
+                mem.phase = GroupPhase::Pending;
+            }
+        }
+        if let Some(t) = find_trigger(&ctx, &mem, &pods) {
+            triggers.insert(g, t);
+        }
+        groups.insert(g, mem);
+    }
+
+    // Pass 2: decide which triggers fire now. Failure repairs first; planned restarts
+    // (rollout, restart request) only while fewer than maxUnavailableGroups groups are
+    // down, highest index first.
+    let max_unavailable = input.spec.rollout.max_unavailable_groups.max(1);
+    let mut unavailable = groups
+        .values()
+        .filter(|m| m.index < desired_groups && !group_available(m, &triggers))
+        .count() as i32;
+    let mut fire: BTreeMap<i32, Trigger> = BTreeMap::new();
+    for (&g, t) in triggers.iter() {
+        if is_failure(t.reason) {
+            fire.insert(g, t.clone());
+        }
+    }
+    for (&g, t) in triggers.iter().rev() {
+        if is_failure(t.reason) {
+            continue;
+        }
+        let available = groups.get(&g).is_some_and(|m| group_available(m, &triggers));
+        if !available {
+            // Already down: restarting it takes nothing more away.
+            fire.insert(g, t.clone());
+        } else if unavailable < max_unavailable {
+            unavailable += 1;
+            fire.insert(g, t.clone());
+        }
+    }
+
+    // Pass 3: act on each desired group.
+    for g in 0..desired_groups {
+        let pods: Vec<&ObservedPod> = observed.pods.iter().filter(|p| p.group == g).collect();
+        let mem = groups.remove(&g).expect("every desired index has memory");
+        let prev_phase = remembered.get(&g).map(|m| m.phase);
+        let mem = step_group(&mut ctx, mem, &pods, fire.remove(&g), prev_phase);
+        groups.insert(g, mem);
+        ensure_group_objects(&mut ctx, g);
+    }
+
+    let group_statuses: Vec<GroupStatus> = groups.into_values().collect();
+    let status = status::summarize(&ctx, &prev, group_statuses);
+    Plan {
+        actions: ctx.actions,
+        status,
+        co_restarts: ctx.co_restarts,
+        became_ready: ctx.became_ready,
+        requeue_after: ctx.requeue,
+    }
+}
+
+/// A group counts as available for the rollout budget when it is Ready and nothing is
+/// about to break it.
+fn group_available(mem: &GroupStatus, triggers: &BTreeMap<i32, Trigger>) -> bool {
+    mem.phase == GroupPhase::Ready
+        && triggers
+            .get(&mem.index)
+            .is_none_or(|t| !is_failure(t.reason))
+}
+
+fn ensure_group_objects(ctx: &mut Ctx<'_>, g: i32) {
+    let obs = ctx.input.observed;
+    if !obs.group_services.contains(&g) {
+        ctx.actions.push(Action::ApplyGroupService { group: g });
+    }
+    if !obs.network_policies.contains(&g) {
+        ctx.actions.push(Action::ApplyNetworkPolicy { group: g });
+    }
+    if !obs.group_secrets.contains(&g) {
+        ctx.actions.push(Action::CreateGroupSecret { group: g });
+    }
+}
+
+/// Remove a group whose index is no longer desired: decode first, then prefill, then its
+/// Service, NetworkPolicy and Secret. Returns its memory while anything is left.
+fn scale_down_group(
+    ctx: &mut Ctx<'_>,
+    g: i32,
+    pods: &[&ObservedPod],
+    mem: Option<&GroupStatus>,
+) -> Option<GroupStatus> {
+    let obs = ctx.input.observed;
+    let mut mem = mem.cloned().unwrap_or_else(|| GroupStatus {
+        index: g,
+        ..Default::default()
+    });
+    if mem.phase != GroupPhase::ScalingDown {
+        ctx.event(
+            EventType::Normal,
+            "ScalingDown",
+            g,
+            format!("group {g}: removing (spec.groups is {})", ctx.input.spec.groups),
+        );
+    }
+    mem.phase = GroupPhase::ScalingDown;
+    mem.bootstrap_healthy = false;
+    close_gates(ctx, pods);
+    if !remove_in_order(ctx, pods, DeleteReason::ScaleDown) {
+        return Some(mem);
+    }
+    if obs.group_services.contains(&g)
+        || obs.network_policies.contains(&g)
+        || obs.group_secrets.contains(&g)
+    {
+        ctx.actions.push(Action::DeleteGroupResources { group: g });
+        return Some(mem);
+    }
+    None
+}
+
+/// Close the readiness gate of every decode pod in `pods` whose gate is open.
+fn close_gates(ctx: &mut Ctx<'_>, pods: &[&ObservedPod]) {
+    for p in pods {
+        if p.role == Role::Decode && p.group_ready_gate {
+            ctx.actions.push(Action::SetGroupReadyGate {
+                pod: p.name.clone(),
+                ready: false,
+            });
+        }
+    }
+}
+
+/// Delete `pods` decode first: prefill pods are deleted only once no decode pod is left
+/// (terminating ones included). Returns true when nothing is left.
+fn remove_in_order(ctx: &mut Ctx<'_>, pods: &[&ObservedPod], reason: DeleteReason) -> bool {
+    for role in [Role::Decode, Role::Prefill] {
+        let of_role: Vec<&&ObservedPod> = pods.iter().filter(|p| p.role == role).collect();
+        if of_role.is_empty() {
+            continue;
+        }
+        for p in of_role.iter().filter(|p| !p.terminating) {
+            ctx.actions.push(Action::DeletePod {
+                name: p.name.clone(),
+                group: p.group,
+                role,
+                reason,
+            });
+        }
+        return false;
+    }
+    true
+}
+
+/// Look for a reason to co-restart a started group (pods of its incarnation exist or
+/// existed). Most severe first.
+fn find_trigger(ctx: &Ctx<'_>, mem: &GroupStatus, pods: &[&ObservedPod]) -> Option<Trigger> {
+    if mem.incarnation == 0 || mem.phase == GroupPhase::Restarting {
+        return None;
+    }
+    let input = ctx.input;
+    let current: Vec<&&ObservedPod> = pods
+        .iter()
+        .filter(|p| p.incarnation == mem.incarnation)
+        .collect();
+    if let Some(p) = current
+        .iter()
+        .find(|p| matches!(p.phase, PodPhase::Failed | PodPhase::Succeeded))
+    {
+        return Some(Trigger {
+            reason: CoRestartReason::MemberFailed,
+            detail: format!("{} pod {} exited ({:?})", p.role.as_str(), p.name, p.phase),
+        });
+    }
+    if let Some(p) = current.iter().find(|p| p.terminating) {
+        return Some(Trigger {
+            reason: CoRestartReason::MemberDeleted,
+            detail: format!("{} pod {} is being deleted", p.role.as_str(), p.name),
+        });
+    }
+    if let Some(missing) = mem
+        .pods
+        .iter()
+        .find(|n| !pods.iter().any(|p| &p.name == *n))
+    {
+        return Some(Trigger {
+            reason: CoRestartReason::MemberDeleted,
+            detail: format!("pod {missing} vanished"),
+        });
+    }
+    if let Some(p) = pods
+        .iter()
+        .find(|p| p.incarnation != mem.incarnation && !p.terminating)
+    {
+        return Some(Trigger {
+            reason: CoRestartReason::IncarnationMismatch,
+            detail: format!(
+                "pod {} has incarnation {}, group has {}",
+                p.name, p.incarnation, mem.incarnation
+            ),
+        });
+    }
+    let window = Duration::from_secs(input.spec.health.co_restart_after_seconds.max(1) as u64);
+    let group_was_ready = mem.ready_since.is_some();
+    let decode_exists = current.iter().any(|p| p.role == Role::Decode);
+    for p in &current {
+        // A prefill was Ready if decode pods were created for it; a decode was Ready if
+        // its group was.
+        let was_ready = group_was_ready || (p.role == Role::Prefill && decode_exists);
+        if p.ready || !was_ready {
+            continue;
+        }
+        let since = p.not_ready_since.unwrap_or(input.now);
+        let deadline = add(since, window);
+        if deadline <= input.now {
+            return Some(Trigger {
+                reason: CoRestartReason::MemberNotReady,
+                detail: format!(
+                    "{} pod {} not ready for more than {}s",
+                    p.role.as_str(),
+                    p.name,
+                    window.as_secs()
+                ),
+            });
+        }
+    }
+    if let Some(req) = input.restart_requested_at {
+        // A request in the future (clock skew) would restart the group over and over.
+        let started = mem.since.as_ref().map(|t| t.0);
+        if req <= input.now && started.is_none_or(|s| s < req) {
+            return Some(Trigger {
+                reason: CoRestartReason::RestartRequested,
+                detail: format!("restart requested at {req}"),
+            });
+        }
+    }
+    let (target_rev, _) = ctx.target(mem.index);
+    if mem.revision != target_rev {
+        return Some(Trigger {
+            reason: CoRestartReason::RevisionChanged,
+            detail: format!("revision {} → {}", mem.revision, target_rev),
+        });
+    }
+    None
+}
+
+/// Advance one desired group: fire its trigger (or hold it back), remove old members,
+/// build new ones, set the readiness gates. Returns the group's new memory.
+fn step_group(
+    ctx: &mut Ctx<'_>,
+    mut mem: GroupStatus,
+    pods: &[&ObservedPod],
+    fire: Option<Trigger>,
+    prev_phase: Option<GroupPhase>,
+) -> GroupStatus {
+    let g = mem.index;
+    mem.message = None;
+
+    if let Some(t) = fire
+        && !co_restart(ctx, &mut mem, &t)
+        && is_failure(t.reason)
+    {
+        // A broken group held back (backoff or policy None): stop its traffic, report,
+        // and keep its pods for inspection. A held-back planned restart (policy None)
+        // leaves a healthy group serving; its message says what was not done.
+        close_gates(ctx, pods);
+        mem.phase = GroupPhase::Broken;
+        mem.bootstrap_healthy = false;
+        note_phase(ctx, &mem, prev_phase);
+        return mem;
+    }
+
+    if mem.incarnation == 0 {
+        let (rev, _) = ctx.target(g);
+        mem.incarnation = 1;
+        mem.revision = rev.to_string();
+        mem.since = Some(Time(ctx.input.now));
+    }
+
+    // Phase 1: remove pods of older incarnations, decode first.
+    let stale: Vec<&ObservedPod> = pods
+        .iter()
+        .filter(|p| p.incarnation != mem.incarnation)
+        .copied()
+        .collect();
+    if !stale.is_empty() {
+        if mem.phase != GroupPhase::Restarting {
+            // Stale pods without a co-restart in progress: a mismatch the trigger pass
+            // found but the policy keeps us from acting on.
+            mem.phase = GroupPhase::Broken;
+            mem.message = Some("pods of another incarnation exist".into());
+            close_gates(ctx, pods);
+            note_phase(ctx, &mem, prev_phase);
+            return mem;
+        }
+        close_gates(ctx, &stale);
+        let reason = mem
+            .last_co_restart
+            .as_ref()
+            .map_or(CoRestartReason::IncarnationMismatch, |r| r.reason);
+        remove_in_order(ctx, &stale, DeleteReason::CoRestart(reason));
+        mem.bootstrap_healthy = false;
+        mem.message = Some(format!(
+            "removing {} pod(s) of the previous incarnation, decode first",
+            stale.len()
+        ));
+        note_phase(ctx, &mem, prev_phase);
+        return mem;
+    }
+
+    // Phase 2: build at the current incarnation.
+    build_group(ctx, &mut mem, pods, prev_phase);
+    mem
+}
+
+/// Start a co-restart unless policy or backoff hold it back. Returns true when started.
+fn co_restart(ctx: &mut Ctx<'_>, mem: &mut GroupStatus, t: &Trigger) -> bool {
+    let g = mem.index;
+    let now = ctx.input.now;
+    if ctx.policy() == RestartPolicy::None {
+        mem.message = Some(format!(
+            "would co-restart ({}): {}; restart.policy is None",
+            t.reason, t.detail
+        ));
+        return false;
+    }
+    if is_failure(t.reason)
+        && let Some(after) = &mem.next_restart_after
+        && after.0 > now
+    {
+        let wait = until(now, after.0);
+        mem.message = Some(format!(
+            "co-restart ({}) held back by backoff for {}s: {}",
+            t.reason,
+            wait.as_secs(),
+            t.detail
+        ));
+        ctx.requeue_in(wait);
+        return false;
+    }
+
+    let old = mem.incarnation;
+    let new = old + 1;
+    let (rev, _) = ctx.target(g);
+    let rev = rev.to_string();
+    let type_ = if is_failure(t.reason) {
+        EventType::Warning
+    } else {
+        EventType::Normal
+    };
+    ctx.event(
+        type_,
+        t.reason.as_str(),
+        g,
+        format!(
+            "group {g} co-restart: incarnation {old} → {new}, revision {rev}: {}",
+            t.detail
+        ),
+    );
+    ctx.co_restarts.push(CoRestart {
+        group: g,
+        reason: t.reason,
+        old_incarnation: old,
+        new_incarnation: new,
+    });
+    if is_failure(t.reason) {
+        mem.backoff_streak += 1;
+        let delay = backoff_delay(
+            ctx.input.spec.restart.backoff.base_seconds,
+            ctx.input.spec.restart.backoff.max_seconds,
+            mem.backoff_streak,
+        );
+        mem.next_restart_after = Some(Time(add(now, delay)));
+    }
+    mem.incarnation = new;
+    mem.revision = rev;
+    mem.co_restarts += 1;
+    mem.last_co_restart = Some(CoRestartRecord {
+        time: Time(now),
+        reason: t.reason,
+    });
+    mem.phase = GroupPhase::Restarting;
+    mem.since = Some(Time(now));
+    mem.pods.clear();
+    mem.ready_since = None;
+    mem.bootstrap_healthy = false;
+    true
+}
+
+/// Create missing members in order (prefill, then decode once every prefill is Ready),
+/// derive the phase and open or close the decode pods' readiness gates.
+fn build_group(
+    ctx: &mut Ctx<'_>,
+    mem: &mut GroupStatus,
+    pods: &[&ObservedPod],
+    prev_phase: Option<GroupPhase>,
+) {
+    let g = mem.index;
+    let now = ctx.input.now;
+    let name = ctx.input.name;
+    let template = if mem.revision == ctx.update_revision {
+        ctx.update.clone()
+    } else if mem.revision == ctx.current_revision {
+        ctx.current.clone()
+    } else if pods.is_empty() {
+        // Nothing built yet at a revision we no longer know: build at the target.
+        let (rev, t) = ctx.target(g);
+        mem.revision = rev.to_string();
+        t.clone()
+    } else {
+        // Pods of a revision whose spec we no longer keep (the status was lost during a
+        // rollout): adding members would mix revisions in one incarnation. Wait for the
+        // RevisionChanged co-restart the trigger pass schedules.
+        mem.message = Some(format!(
+            "revision {} is no longer known; waiting for a co-restart",
+            mem.revision
+        ));
+        mem.pods = pods.iter().map(|p| p.name.clone()).collect();
+        mem.pods.sort();
+        mem.phase = GroupPhase::Broken;
+        mem.bootstrap_healthy = false;
+        close_gates(ctx, pods);
+        note_phase(ctx, mem, prev_phase);
+        return;
+    };
+    let seen: BTreeSet<&str> = mem.pods.iter().map(String::as_str).collect();
+    let (mut created_prefill, mut created_decode) = (false, false);
+    let create = |ctx: &mut Ctx<'_>, role: Role, index: i32| -> bool {
+        let pod = pod_name(name, g, mem.incarnation, role, index);
+        // A pod seen before and now missing is a deletion the trigger pass handles
+        // (or policy None reports); never recreate a single member silently.
+        if seen.contains(pod.as_str()) {
+            return false;
+        }
+        ctx.actions.push(Action::CreatePod(Box::new(PodIntent {
+            name: pod,
+            group: g,
+            role,
+            index,
+            incarnation: mem.incarnation,
+            revision: mem.revision.clone(),
+            template: template.clone(),
+        })));
+        true
+    };
+
+    let members = |role: Role| -> Vec<&ObservedPod> {
+        pods.iter().filter(|p| p.role == role).copied().collect()
+    };
+    let prefill = members(Role::Prefill);
+    let decode = members(Role::Decode);
+    let want_prefill = template.prefill.replicas.max(1);
+    let want_decode = template.decode.replicas.max(1);
+
+    for i in 0..want_prefill {
+        if !prefill.iter().any(|p| p.name == pod_name(name, g, mem.incarnation, Role::Prefill, i)) {
+            created_prefill |= create(ctx, Role::Prefill, i);
+        }
+    }
+    let healthy = |p: &&ObservedPod| p.ready && p.phase == PodPhase::Running && !p.terminating;
+    let prefill_ready = prefill.len() as i32 == want_prefill && prefill.iter().all(healthy);
+    if prefill_ready {
+        for i in 0..want_decode {
+            if !decode.iter().any(|p| p.name == pod_name(name, g, mem.incarnation, Role::Decode, i)) {
+                created_decode |= create(ctx, Role::Decode, i);
+            }
+        }
+    }
+    let decode_ready = decode.len() as i32 == want_decode && decode.iter().all(healthy);
+
+    mem.pods = pods.iter().map(|p| p.name.clone()).collect();
+    mem.pods.sort();
+    let all_ready = prefill_ready && decode_ready;
+    mem.bootstrap_healthy = decode_ready && !decode.is_empty();
+    mem.phase = if all_ready {
+        GroupPhase::Ready
+    } else if mem.ready_since.is_some() || (!decode.is_empty() && !prefill_ready) {
+        GroupPhase::Broken
+    } else if decode.is_empty() && !created_decode {
+        if prefill.is_empty() && !created_prefill {
+            GroupPhase::Pending
+        } else {
+            GroupPhase::StartingPrefill
+        }
+    } else {
+        GroupPhase::StartingDecode
+    };
+    if all_ready {
+        if mem.ready_since.is_none() {
+            mem.ready_since = Some(Time(now));
+            if let Some(s) = &mem.since {
+                ctx.became_ready.push((g, until(s.0, now)));
+            }
+        }
+        // Stable for longer than the longest backoff: forget earlier failures.
+        let max = Duration::from_secs(ctx.input.spec.restart.backoff.max_seconds.max(1) as u64);
+        if let Some(rs) = &mem.ready_since
+            && add(rs.0, max) <= now
+        {
+            mem.backoff_streak = 0;
+            mem.next_restart_after = None;
+        }
+    }
+    if mem.phase == GroupPhase::Broken {
+        schedule_not_ready_check(ctx, pods);
+    }
+    for p in &decode {
+        if p.group_ready_gate != all_ready {
+            ctx.actions.push(Action::SetGroupReadyGate {
+                pod: p.name.clone(),
+                ready: all_ready,
+            });
+        }
+    }
+    note_phase(ctx, mem, prev_phase);
+}
+
+/// Ask to be called again when a not-ready member of a started group reaches the window.
+fn schedule_not_ready_check(ctx: &mut Ctx<'_>, pods: &[&ObservedPod]) {
+    let window = Duration::from_secs(ctx.input.spec.health.co_restart_after_seconds.max(1) as u64);
+    let now = ctx.input.now;
+    let next = pods
+        .iter()
+        .filter(|p| !p.ready)
+        .filter_map(|p| p.not_ready_since)
+        .map(|s| until(now, add(s, window)))
+        .min();
+    if let Some(d) = next {
+        ctx.requeue_in(d);
+    }
+}
+
+/// Emit an event when a group's phase changes.
+fn note_phase(ctx: &mut Ctx<'_>, mem: &GroupStatus, prev: Option<GroupPhase>) {
+    if prev == Some(mem.phase) {
+        return;
+    }
+    let from = prev.map_or("None".to_string(), |p| format!("{p:?}"));
+    let type_ = if mem.phase == GroupPhase::Broken {
+        EventType::Warning
+    } else {
+        EventType::Normal
+    };
+    let mut message = format!(
+        "group {}: {from} → {:?} at incarnation {}",
+        mem.index, mem.phase, mem.incarnation
+    );
+    if let Some(m) = &mem.message {
+        message.push_str(": ");
+        message.push_str(m);
+    }
+    ctx.event(type_, "GroupPhaseChanged", mem.index, message);
+}
+
+#[cfg(test)]
+mod sim;
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod props;

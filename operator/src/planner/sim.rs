@@ -1,0 +1,373 @@
+//! A simulated cluster for planner tests: it applies the planner's actions the way the
+//! API server and kubelet would (created pods start Pending; deleted pods linger while
+//! terminating) and checks the ordering invariants after every reconcile.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+use super::*;
+use crate::crd::{CoRestartReason, GroupPhase, PDDeploymentSpec, PDDeploymentStatus};
+
+pub struct Sim {
+    pub name: String,
+    pub spec: PDDeploymentSpec,
+    pub status: Option<PDDeploymentStatus>,
+    pub pods: BTreeMap<String, ObservedPod>,
+    pub observed_objects: Observed,
+    pub now: Timestamp,
+    pub restart_requested_at: Option<Timestamp>,
+    /// Every action ever applied, in order.
+    pub history: Vec<Action>,
+    /// Groups brought down by a planned restart and not Ready again yet (invariant I3).
+    pub rolling: BTreeSet<i32>,
+    pub last_plan: Option<Plan>,
+}
+
+impl Sim {
+    pub fn new(spec: PDDeploymentSpec) -> Self {
+        Self {
+            name: "demo".into(),
+            spec,
+            status: None,
+            pods: BTreeMap::new(),
+            observed_objects: Observed::default(),
+            now: "2026-01-01T00:00:00Z".parse().unwrap(),
+            restart_requested_at: None,
+            history: Vec::new(),
+            rolling: BTreeSet::new(),
+            last_plan: None,
+        }
+    }
+
+    pub fn observed(&self) -> Observed {
+        let mut o = self.observed_objects.clone();
+        o.pods = self.pods.values().cloned().collect();
+        o
+    }
+
+    /// Plan without applying (to inspect what the planner would do).
+    pub fn peek(&self) -> Plan {
+        let observed = self.observed();
+        plan(&PlanInput {
+            name: &self.name,
+            generation: Some(1),
+            spec: &self.spec,
+            status: self.status.as_ref(),
+            restart_requested_at: self.restart_requested_at,
+            observed: &observed,
+            now: self.now,
+        })
+    }
+
+    /// One reconcile: plan, check invariants, apply every action, keep the status.
+    pub fn reconcile(&mut self) -> Plan {
+        let plan = self.peek();
+        for a in &plan.actions {
+            self.check_before(a);
+            self.apply(a);
+        }
+        for r in &plan.co_restarts {
+            let was_ready = self.status.as_ref().is_some_and(|s| {
+                s.group_statuses
+                    .iter()
+                    .any(|g| g.index == r.group && g.phase == GroupPhase::Ready)
+            });
+            if is_failure(r.reason) {
+                self.rolling.remove(&r.group);
+            } else if was_ready {
+                // Taken down by the rollout (a group that was already down is not).
+                self.rolling.insert(r.group);
+            }
+        }
+        self.status = Some(plan.status.clone());
+        for g in &plan.status.group_statuses {
+            if g.phase == GroupPhase::Ready || g.index >= self.spec.groups {
+                self.rolling.remove(&g.index);
+            }
+        }
+        self.check_after();
+        self.last_plan = Some(plan.clone());
+        plan
+    }
+
+    fn apply(&mut self, a: &Action) {
+        self.history.push(a.clone());
+        let o = &mut self.observed_objects;
+        match a {
+            Action::ApplyClientService => o.client_service = true,
+            Action::ApplyGroupService { group } => {
+                o.group_services.insert(*group);
+            }
+            Action::ApplyNetworkPolicy { group } => {
+                o.network_policies.insert(*group);
+            }
+            Action::CreateGroupSecret { group } => {
+                o.group_secrets.insert(*group);
+            }
+            Action::DeleteGroupResources { group } => {
+                o.group_services.remove(group);
+                o.network_policies.remove(group);
+                o.group_secrets.remove(group);
+            }
+            Action::CreatePod(intent) => {
+                assert!(
+                    !self.pods.contains_key(&intent.name),
+                    "created {} twice",
+                    intent.name
+                );
+                self.pods.insert(
+                    intent.name.clone(),
+                    ObservedPod {
+                        name: intent.name.clone(),
+                        group: intent.group,
+                        role: intent.role,
+                        revision: intent.revision.clone(),
+                        incarnation: intent.incarnation,
+                        phase: PodPhase::Pending,
+                        terminating: false,
+                        ready: false,
+                        not_ready_since: Some(self.now),
+                        group_ready_gate: false,
+                    },
+                );
+            }
+            Action::DeletePod { name, .. } => {
+                if let Some(p) = self.pods.get_mut(name) {
+                    p.terminating = true;
+                }
+            }
+            Action::SetGroupReadyGate { pod, ready } => {
+                if let Some(p) = self.pods.get_mut(pod) {
+                    p.group_ready_gate = *ready;
+                }
+            }
+            Action::Event(_) => {}
+        }
+    }
+
+    /// Invariants that concern one action before it takes effect.
+    fn check_before(&self, a: &Action) {
+        match a {
+            // I2: a decode pod is created only when every prefill pod of its incarnation
+            // exists, runs and is Ready.
+            Action::CreatePod(intent) if intent.role == Role::Decode => {
+                let prefill: Vec<_> = self
+                    .pods
+                    .values()
+                    .filter(|p| p.group == intent.group && p.role == Role::Prefill)
+                    .collect();
+                assert_eq!(
+                    prefill.len() as i32,
+                    intent.template.prefill.replicas,
+                    "I2: decode {} created with {} prefill pods",
+                    intent.name,
+                    prefill.len()
+                );
+                for p in prefill {
+                    assert!(
+                        p.incarnation == intent.incarnation
+                            && p.ready
+                            && p.phase == PodPhase::Running
+                            && !p.terminating,
+                        "I2: decode {} created while prefill {p:?} not Ready at its incarnation",
+                        intent.name
+                    );
+                }
+            }
+            // I5: policy None deletes nothing on its own initiative.
+            Action::DeletePod { name, reason, .. } => {
+                if self.spec.restart.policy == RestartPolicy::None {
+                    assert_eq!(
+                        *reason,
+                        DeleteReason::ScaleDown,
+                        "I5: policy None deleted {name}"
+                    );
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Invariants over the whole cluster after a reconcile.
+    fn check_after(&self) {
+        // I1: a decode pod never coexists with a prefill pod of another incarnation in
+        // its group (terminating pods included: they may still be serving).
+        for d in self.pods.values().filter(|p| p.role == Role::Decode) {
+            for p in self
+                .pods
+                .values()
+                .filter(|p| p.role == Role::Prefill && p.group == d.group)
+            {
+                assert_eq!(
+                    d.incarnation, p.incarnation,
+                    "I1: decode {} (incarnation {}) beside prefill {} (incarnation {})",
+                    d.name, d.incarnation, p.name, p.incarnation
+                );
+            }
+        }
+        // I3: planned restarts never take more than maxUnavailableGroups groups down.
+        let max = self.spec.rollout.max_unavailable_groups as usize;
+        assert!(
+            self.rolling.len() <= max,
+            "I3: {} groups down for the rollout (max {max}): {:?}",
+            self.rolling.len(),
+            self.rolling
+        );
+        // The readiness gate is open only on decode pods of a Ready group.
+        if let Some(st) = &self.status {
+            for p in self.pods.values().filter(|p| p.group_ready_gate) {
+                let g = st.group_statuses.iter().find(|g| g.index == p.group);
+                assert!(
+                    g.is_some_and(|g| g.phase == GroupPhase::Ready && g.incarnation == p.incarnation),
+                    "gate open on {} while its group is {:?}",
+                    p.name,
+                    g.map(|g| g.phase)
+                );
+            }
+        }
+    }
+
+    // ---- the kubelet and the outside world ----
+
+    pub fn advance(&mut self, secs: u64) {
+        self.now = self
+            .now
+            .checked_add(SignedDuration::from_secs(secs as i64))
+            .unwrap();
+    }
+
+    pub fn set_ready(&mut self, name: &str, ready: bool) {
+        let now = self.now;
+        let p = self.pods.get_mut(name).expect("pod exists");
+        if p.terminating || matches!(p.phase, PodPhase::Failed | PodPhase::Succeeded) {
+            return;
+        }
+        p.phase = PodPhase::Running;
+        if p.ready != ready {
+            p.ready = ready;
+            p.not_ready_since = if ready { None } else { Some(now) };
+        }
+    }
+
+    pub fn fail(&mut self, name: &str) {
+        let now = self.now;
+        let p = self.pods.get_mut(name).expect("pod exists");
+        p.phase = PodPhase::Failed;
+        if p.ready {
+            p.ready = false;
+            p.not_ready_since = Some(now);
+        }
+    }
+
+    /// Eviction or `kubectl delete`: the pod starts terminating.
+    pub fn evict(&mut self, name: &str) {
+        self.pods.get_mut(name).expect("pod exists").terminating = true;
+    }
+
+    /// The pod object disappears at once (force delete, node loss).
+    pub fn vanish(&mut self, name: &str) {
+        self.pods.remove(name);
+    }
+
+    /// Terminating pods finish terminating.
+    pub fn finish_terminations(&mut self) {
+        self.pods.retain(|_, p| !p.terminating);
+    }
+
+    /// The kubelet starts every pending pod and its dataplane becomes ready.
+    pub fn start_pending(&mut self) {
+        let names: Vec<String> = self
+            .pods
+            .values()
+            .filter(|p| p.phase == PodPhase::Pending && !p.terminating)
+            .map(|p| p.name.clone())
+            .collect();
+        for n in names {
+            self.set_ready(&n, true);
+        }
+    }
+
+    /// Faults stop: every live pod's dataplane becomes ready.
+    pub fn heal_all(&mut self) {
+        let names: Vec<String> = self
+            .pods
+            .values()
+            .filter(|p| !p.terminating && !matches!(p.phase, PodPhase::Failed | PodPhase::Succeeded))
+            .map(|p| p.name.clone())
+            .collect();
+        for n in names {
+            self.set_ready(&n, true);
+        }
+    }
+
+    /// Reconcile with a healthy kubelet until nothing changes; returns the steps taken.
+    pub fn settle(&mut self, max_steps: usize) -> usize {
+        for step in 0..max_steps {
+            let plan = self.reconcile();
+            let idle = plan
+                .actions
+                .iter()
+                .all(|a| matches!(a, Action::Event(_)))
+                && !self.pods.values().any(|p| p.terminating || p.phase == PodPhase::Pending);
+            if idle {
+                return step;
+            }
+            self.start_pending();
+            self.finish_terminations();
+            if let Some(d) = plan.requeue_after {
+                self.advance(d.as_secs().max(1));
+            }
+        }
+        max_steps
+    }
+
+    pub fn pods_of(&self, group: i32, role: Role) -> Vec<&ObservedPod> {
+        self.pods
+            .values()
+            .filter(|p| p.group == group && p.role == role)
+            .collect()
+    }
+
+    pub fn group(&self, g: i32) -> &crate::crd::GroupStatus {
+        self.status
+            .as_ref()
+            .and_then(|s| s.group_statuses.iter().find(|x| x.index == g))
+            .expect("group status")
+    }
+
+    pub fn events(&self, plan: &Plan) -> Vec<PlannedEvent> {
+        plan.actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Event(e) => Some(e.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub fn deleted(plan: &Plan) -> Vec<(String, Role)> {
+        plan.actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::DeletePod { name, role, .. } => Some((name.clone(), *role)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub fn created(plan: &Plan) -> Vec<(String, Role)> {
+        plan.actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::CreatePod(i) => Some((i.name.clone(), i.role)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub fn co_restart_reasons(plan: &Plan) -> Vec<(i32, CoRestartReason)> {
+        plan.co_restarts.iter().map(|r| (r.group, r.reason)).collect()
+    }
+
+}

@@ -1,0 +1,475 @@
+//! Table tests: one per co-restart trigger and per rollout rule.
+
+use std::time::Duration;
+
+use super::sim::Sim;
+use super::*;
+use crate::crd::{CoRestartReason as R, GroupPhase, RestartPolicy, condition};
+use crate::testutil::spec;
+
+/// A sim with `groups` groups built and Ready.
+fn ready_sim(groups: i32) -> Sim {
+    let mut sim = Sim::new(spec(groups));
+    sim.settle(50);
+    for g in 0..groups {
+        assert_eq!(sim.group(g).phase, GroupPhase::Ready, "group {g} ready");
+    }
+    sim
+}
+
+fn only_pod(sim: &Sim, g: i32, role: Role) -> String {
+    let pods = sim.pods_of(g, role);
+    assert_eq!(pods.len(), 1, "one {role:?} pod in group {g}");
+    pods[0].name.clone()
+}
+
+fn condition_of<'a>(sim: &'a Sim, type_: &str) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    sim.status
+        .as_ref()
+        .unwrap()
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .unwrap()
+}
+
+#[test]
+fn new_deployment_creates_prefill_and_objects_but_no_decode() {
+    let mut sim = Sim::new(spec(1));
+    let plan = sim.reconcile();
+    assert!(plan.actions.contains(&Action::ApplyClientService));
+    assert!(plan.actions.contains(&Action::ApplyGroupService { group: 0 }));
+    assert!(plan.actions.contains(&Action::ApplyNetworkPolicy { group: 0 }));
+    assert!(plan.actions.contains(&Action::CreateGroupSecret { group: 0 }));
+    assert_eq!(
+        Sim::created(&plan),
+        vec![("demo-g0-i1-p0".to_string(), Role::Prefill)]
+    );
+    assert_eq!(sim.group(0).phase, GroupPhase::StartingPrefill);
+    assert_eq!(sim.group(0).incarnation, 1);
+    // A second reconcile with nothing changed does nothing but wait.
+    let plan = sim.reconcile();
+    assert!(Sim::created(&plan).is_empty());
+    assert!(!plan.actions.contains(&Action::ApplyClientService));
+}
+
+#[test]
+fn decode_waits_for_every_prefill_replica() {
+    let mut s = spec(1);
+    s.prefill.replicas = 2;
+    s.decode.replicas = 2;
+    let mut sim = Sim::new(s);
+    sim.reconcile();
+    assert_eq!(sim.pods_of(0, Role::Prefill).len(), 2);
+    sim.set_ready("demo-g0-i1-p0", true);
+    let plan = sim.reconcile();
+    assert!(Sim::created(&plan).is_empty(), "one prefill still starting");
+    sim.set_ready("demo-g0-i1-p1", true);
+    let plan = sim.reconcile();
+    assert_eq!(
+        Sim::created(&plan),
+        vec![
+            ("demo-g0-i1-d0".to_string(), Role::Decode),
+            ("demo-g0-i1-d1".to_string(), Role::Decode)
+        ]
+    );
+    assert_eq!(sim.group(0).phase, GroupPhase::StartingDecode);
+}
+
+#[test]
+fn gate_opens_only_when_the_whole_group_is_ready() {
+    let mut sim = Sim::new(spec(1));
+    sim.reconcile();
+    sim.start_pending();
+    sim.reconcile(); // creates decode
+    let d = only_pod(&sim, 0, Role::Decode);
+    let plan = sim.reconcile();
+    assert!(
+        !plan.actions.iter().any(|a| matches!(a, Action::SetGroupReadyGate { .. })),
+        "gate stays closed while the decode is not ready"
+    );
+    sim.set_ready(&d, true);
+    let plan = sim.reconcile();
+    assert!(plan.actions.contains(&Action::SetGroupReadyGate {
+        pod: d.clone(),
+        ready: true
+    }));
+    assert_eq!(sim.group(0).phase, GroupPhase::Ready);
+    assert!(sim.group(0).bootstrap_healthy);
+    assert_eq!(plan.became_ready.len(), 1);
+    assert_eq!(condition_of(&sim, condition::AVAILABLE).status, "True");
+    assert_eq!(condition_of(&sim, condition::BOOTSTRAP_HEALTHY).status, "True");
+    // The decode's channel breaks: the gate closes at once, before any co-restart.
+    sim.set_ready(&d, false);
+    let plan = sim.reconcile();
+    assert!(plan.actions.contains(&Action::SetGroupReadyGate { pod: d, ready: false }));
+    assert_eq!(sim.group(0).phase, GroupPhase::Broken);
+    assert_eq!(condition_of(&sim, condition::BOOTSTRAP_HEALTHY).status, "False");
+    assert!(plan.co_restarts.is_empty());
+}
+
+#[test]
+fn member_failed_removes_decode_then_prefill_then_rebuilds_prefill_first() {
+    let mut sim = ready_sim(1);
+    let d = only_pod(&sim, 0, Role::Decode);
+    let p = only_pod(&sim, 0, Role::Prefill);
+    sim.fail(&d);
+    let plan = sim.reconcile();
+    assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::MemberFailed)]);
+    assert_eq!(Sim::deleted(&plan), vec![(d.clone(), Role::Decode)], "decode first, alone");
+    let ev = sim.events(&plan);
+    assert!(ev.iter().any(|e| e.reason == "MemberFailed"
+        && e.type_ == EventType::Warning
+        && e.message.contains("incarnation 1 → 2")));
+    let g = sim.group(0);
+    assert_eq!((g.incarnation, g.phase, g.co_restarts), (2, GroupPhase::Restarting, 1));
+    assert_eq!(g.last_co_restart.as_ref().unwrap().reason, R::MemberFailed);
+
+    // The decode is still terminating: the prefill is not touched yet.
+    let plan = sim.reconcile();
+    assert!(Sim::deleted(&plan).is_empty());
+    assert!(Sim::created(&plan).is_empty());
+    sim.finish_terminations();
+    let plan = sim.reconcile();
+    assert_eq!(Sim::deleted(&plan), vec![(p, Role::Prefill)]);
+    assert!(Sim::created(&plan).is_empty(), "nothing new while the old prefill lives");
+    sim.finish_terminations();
+    let plan = sim.reconcile();
+    assert_eq!(
+        Sim::created(&plan),
+        vec![("demo-g0-i2-p0".to_string(), Role::Prefill)]
+    );
+    sim.settle(20);
+    assert_eq!(sim.group(0).phase, GroupPhase::Ready);
+    assert_eq!(sim.group(0).incarnation, 2);
+}
+
+#[test]
+fn member_failed_prefill_also_co_restarts() {
+    let mut sim = ready_sim(1);
+    let p = only_pod(&sim, 0, Role::Prefill);
+    sim.fail(&p);
+    let plan = sim.reconcile();
+    assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::MemberFailed)]);
+    // The healthy decode goes first, even though the prefill is the one that failed.
+    assert_eq!(Sim::deleted(&plan)[0].1, Role::Decode);
+    assert_eq!(Sim::deleted(&plan).len(), 1);
+}
+
+#[test]
+fn member_deleted_when_evicted() {
+    let mut sim = ready_sim(1);
+    let p = only_pod(&sim, 0, Role::Prefill);
+    sim.evict(&p);
+    let plan = sim.reconcile();
+    assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::MemberDeleted)]);
+}
+
+#[test]
+fn member_deleted_when_a_pod_vanishes() {
+    let mut sim = ready_sim(1);
+    let d = only_pod(&sim, 0, Role::Decode);
+    sim.vanish(&d);
+    let plan = sim.reconcile();
+    assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::MemberDeleted)]);
+    // Nothing decode is left, so the prefill goes in the same step.
+    assert_eq!(Sim::deleted(&plan).len(), 1);
+    assert_eq!(Sim::deleted(&plan)[0].1, Role::Prefill);
+}
+
+#[test]
+fn member_not_ready_after_the_window_only() {
+    let mut sim = ready_sim(1);
+    let window = sim.spec.health.co_restart_after_seconds as u64;
+    let d = only_pod(&sim, 0, Role::Decode);
+    sim.set_ready(&d, false);
+    let plan = sim.reconcile();
+    assert!(plan.co_restarts.is_empty());
+    assert_eq!(plan.requeue_after, Some(Duration::from_secs(window)));
+    sim.advance(window - 1);
+    assert!(sim.reconcile().co_restarts.is_empty());
+    sim.advance(1);
+    let plan = sim.reconcile();
+    assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::MemberNotReady)]);
+}
+
+#[test]
+fn member_not_ready_counts_only_members_that_were_ready() {
+    // A prefill that never became Ready is still starting, not wedged.
+    let mut sim = Sim::new(spec(1));
+    sim.reconcile();
+    let p = only_pod(&sim, 0, Role::Prefill);
+    sim.set_ready(&p, false);
+    sim.advance(3600);
+    let plan = sim.reconcile();
+    assert!(plan.co_restarts.is_empty());
+    assert_eq!(sim.group(0).phase, GroupPhase::StartingPrefill);
+}
+
+#[test]
+fn prefill_with_decode_was_ready_and_counts_as_wedged() {
+    let mut sim = Sim::new(spec(1));
+    sim.reconcile();
+    sim.start_pending();
+    sim.reconcile(); // decode created: the prefill was Ready
+    let p = only_pod(&sim, 0, Role::Prefill);
+    sim.set_ready(&p, false);
+    sim.advance(sim.spec.health.co_restart_after_seconds as u64);
+    let plan = sim.reconcile();
+    assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::MemberNotReady)]);
+}
+
+#[test]
+fn incarnation_mismatch_inside_a_group() {
+    let mut sim = ready_sim(1);
+    // A decode of an old incarnation shows up beside the group's pods (for example
+    // left behind by an operator that lost its status).
+    let mut stray = sim.pods.values().find(|p| p.role == Role::Decode).unwrap().clone();
+    stray.name = "demo-g0-i0-d0".into();
+    stray.incarnation = 0;
+    sim.pods.insert(stray.name.clone(), stray);
+    let plan = sim.peek();
+    assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::IncarnationMismatch)]);
+    // Both decodes go first; the prefill waits.
+    let deleted = Sim::deleted(&plan);
+    assert_eq!(deleted.len(), 2);
+    assert!(deleted.iter().all(|(_, r)| *r == Role::Decode));
+}
+
+#[test]
+fn status_lost_recovers_incarnation_from_labels() {
+    let mut sim = ready_sim(1);
+    let d = only_pod(&sim, 0, Role::Decode);
+    sim.fail(&d);
+    sim.reconcile();
+    sim.settle(20);
+    assert_eq!(sim.group(0).incarnation, 2);
+    sim.status = None; // the operator forgot everything
+    let plan = sim.reconcile();
+    assert!(plan.co_restarts.is_empty(), "no restart for a healthy group");
+    assert!(Sim::created(&plan).is_empty());
+    assert_eq!(sim.group(0).incarnation, 2);
+    assert_eq!(sim.group(0).phase, GroupPhase::Ready);
+}
+
+#[test]
+fn revision_change_rolls_one_group_at_a_time_highest_first() {
+    let mut sim = ready_sim(3);
+    sim.spec.decode.template.image = "tandem:2".into();
+    let plan = sim.reconcile();
+    assert_eq!(Sim::co_restart_reasons(&plan), vec![(2, R::RevisionChanged)]);
+    let ev = sim.events(&plan);
+    assert!(ev.iter().any(|e| e.reason == "RevisionChanged" && e.type_ == EventType::Normal));
+    // Group 2 is down: nothing else starts.
+    assert!(sim.reconcile().co_restarts.is_empty());
+    let mut order = vec![2];
+    for _ in 0..60 {
+        sim.start_pending();
+        sim.finish_terminations();
+        let plan = sim.reconcile();
+        order.extend(plan.co_restarts.iter().map(|r| r.group));
+    }
+    assert_eq!(order, vec![2, 1, 0]);
+    let st = sim.status.as_ref().unwrap();
+    assert_eq!(st.updated_groups, 3);
+    assert_eq!(st.current_revision, st.update_revision);
+    assert_eq!(condition_of(&sim, condition::PROGRESSING).reason, "Complete");
+}
+
+#[test]
+fn max_unavailable_two_rolls_two_groups_at_once() {
+    let mut sim = ready_sim(3);
+    sim.spec.rollout.max_unavailable_groups = 2;
+    sim.spec.prefill.template.image = "tandem:2".into();
+    let plan = sim.reconcile();
+    assert_eq!(
+        Sim::co_restart_reasons(&plan),
+        vec![(1, R::RevisionChanged), (2, R::RevisionChanged)]
+    );
+}
+
+#[test]
+fn partition_keeps_lower_groups_on_the_old_revision() {
+    let mut sim = ready_sim(3);
+    let old = sim.group(0).revision.clone();
+    sim.spec.rollout.partition = 2;
+    sim.spec.decode.template.image = "tandem:2".into();
+    sim.settle(60);
+    assert_ne!(sim.group(2).revision, old);
+    assert_eq!(sim.group(1).revision, old);
+    assert_eq!(sim.group(0).revision, old);
+    // A held-back group that fails is rebuilt at its own (current) revision.
+    let d = only_pod(&sim, 0, Role::Decode);
+    sim.fail(&d);
+    sim.settle(60);
+    assert_eq!(sim.group(0).revision, old);
+    assert_eq!(sim.group(0).incarnation, 2);
+    let pods = sim.pods_of(0, Role::Prefill);
+    assert_eq!(pods[0].revision, old);
+}
+
+#[test]
+fn paused_rollout_starts_nothing() {
+    let mut sim = ready_sim(2);
+    sim.spec.rollout.paused = true;
+    sim.spec.decode.template.image = "tandem:2".into();
+    let plan = sim.reconcile();
+    assert!(plan.co_restarts.is_empty());
+    assert_eq!(condition_of(&sim, condition::PROGRESSING).reason, "Paused");
+    sim.spec.rollout.paused = false;
+    assert_eq!(sim.reconcile().co_restarts.len(), 1);
+}
+
+#[test]
+fn broken_groups_are_repaired_before_healthy_ones_are_rolled() {
+    let mut sim = ready_sim(3);
+    let d0 = only_pod(&sim, 0, Role::Decode);
+    sim.fail(&d0);
+    sim.spec.decode.template.image = "tandem:2".into();
+    let plan = sim.reconcile();
+    assert_eq!(
+        Sim::co_restart_reasons(&plan),
+        vec![(0, R::MemberFailed)],
+        "the repair uses the rollout's budget; healthy groups wait"
+    );
+    // The repair rebuilds the group at the update revision.
+    assert_eq!(sim.group(0).revision, sim.status.as_ref().unwrap().update_revision.clone().unwrap());
+}
+
+#[test]
+fn restart_request_rolls_groups_once_each() {
+    let mut sim = ready_sim(2);
+    sim.advance(10);
+    sim.restart_requested_at = Some(sim.now);
+    sim.advance(1);
+    let plan = sim.reconcile();
+    assert_eq!(Sim::co_restart_reasons(&plan), vec![(1, R::RestartRequested)]);
+    let mut n = 1;
+    for _ in 0..40 {
+        sim.start_pending();
+        sim.finish_terminations();
+        n += sim.reconcile().co_restarts.len();
+    }
+    assert_eq!(n, 2, "each group restarted exactly once");
+    assert!(sim.reconcile().co_restarts.is_empty());
+}
+
+#[test]
+fn restart_request_in_the_future_is_ignored() {
+    let mut sim = ready_sim(1);
+    sim.restart_requested_at = Some(sim.now.checked_add(SignedDuration::from_hours(1)).unwrap());
+    assert!(sim.reconcile().co_restarts.is_empty());
+}
+
+#[test]
+fn repeated_failures_back_off_exponentially() {
+    let mut s = spec(1);
+    s.restart.backoff.base_seconds = 10;
+    s.restart.backoff.max_seconds = 25;
+    let mut sim = Sim::new(s);
+    sim.settle(20);
+    let mut delays = vec![];
+    for round in 0..4 {
+        let d = only_pod(&sim, 0, Role::Decode);
+        sim.fail(&d);
+        let plan = sim.reconcile();
+        if round == 0 {
+            assert_eq!(plan.co_restarts.len(), 1, "the first co-restart is immediate");
+        } else {
+            assert!(plan.co_restarts.is_empty(), "held back");
+            assert_eq!(sim.group(0).phase, GroupPhase::Broken);
+            let c = condition_of(&sim, condition::DEGRADED);
+            assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", "CoRestartBackoff"));
+            let wait = plan.requeue_after.expect("requeue at the deadline");
+            delays.push(wait.as_secs());
+            sim.advance(wait.as_secs());
+            assert_eq!(sim.reconcile().co_restarts.len(), 1);
+        }
+        let next = sim.group(0).next_restart_after.clone().unwrap();
+        assert!(next.0 > sim.now);
+        // Rebuild quickly (well inside the backoff window).
+        for _ in 0..6 {
+            sim.finish_terminations();
+            sim.start_pending();
+            sim.reconcile();
+        }
+        assert_eq!(sim.group(0).phase, GroupPhase::Ready);
+    }
+    assert_eq!(delays, vec![10, 20, 25], "base × 2^(n-1), capped at max");
+}
+
+#[test]
+fn backoff_delay_formula() {
+    assert_eq!(backoff_delay(10, 300, 1), Duration::from_secs(10));
+    assert_eq!(backoff_delay(10, 300, 2), Duration::from_secs(20));
+    assert_eq!(backoff_delay(10, 300, 6), Duration::from_secs(300));
+    assert_eq!(backoff_delay(10, 300, i32::MAX), Duration::from_secs(300));
+}
+
+#[test]
+fn scale_up_adds_groups_and_scale_down_removes_highest_decode_first() {
+    let mut sim = ready_sim(1);
+    sim.spec.groups = 3;
+    sim.settle(40);
+    assert_eq!(sim.status.as_ref().unwrap().ready_groups, 3);
+    sim.spec.groups = 1;
+    let plan = sim.reconcile();
+    let deleted = Sim::deleted(&plan);
+    assert_eq!(deleted.len(), 2);
+    assert!(deleted.iter().all(|(n, r)| *r == Role::Decode && !n.contains("-g0-")));
+    sim.finish_terminations();
+    let plan = sim.reconcile();
+    assert!(Sim::deleted(&plan).iter().all(|(_, r)| *r == Role::Prefill));
+    sim.finish_terminations();
+    let plan = sim.reconcile();
+    assert!(plan.actions.contains(&Action::DeleteGroupResources { group: 1 }));
+    assert!(plan.actions.contains(&Action::DeleteGroupResources { group: 2 }));
+    sim.reconcile();
+    let st = sim.status.as_ref().unwrap();
+    assert_eq!(st.group_statuses.len(), 1);
+    assert_eq!(st.groups, 1);
+    assert!(sim.pods.values().all(|p| p.group == 0));
+}
+
+#[test]
+fn policy_none_reports_but_never_deletes() {
+    let mut s = spec(2);
+    s.restart.policy = RestartPolicy::None;
+    let mut sim = Sim::new(s);
+    sim.settle(30);
+    let d = only_pod(&sim, 0, Role::Decode);
+    sim.fail(&d);
+    sim.spec.decode.template.image = "tandem:2".into();
+    for _ in 0..5 {
+        let plan = sim.reconcile();
+        assert!(Sim::deleted(&plan).is_empty());
+        assert!(plan.co_restarts.is_empty());
+    }
+    assert_eq!(sim.group(0).phase, GroupPhase::Broken);
+    assert!(sim.group(0).message.as_ref().unwrap().contains("MemberFailed"));
+    let c = condition_of(&sim, condition::DEGRADED);
+    assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", "CoRestartSuppressed"));
+    // The healthy group keeps serving at its old revision.
+    assert_eq!(sim.group(1).phase, GroupPhase::Ready);
+}
+
+#[test]
+fn conditions_keep_their_transition_time_while_unchanged() {
+    let mut sim = ready_sim(1);
+    let t0 = condition_of(&sim, condition::AVAILABLE).last_transition_time.clone();
+    sim.advance(100);
+    sim.reconcile();
+    assert_eq!(condition_of(&sim, condition::AVAILABLE).last_transition_time, t0);
+}
+
+#[test]
+fn status_counts_and_selector() {
+    let sim = ready_sim(2);
+    let st = sim.status.as_ref().unwrap();
+    assert_eq!((st.groups, st.ready_groups, st.updated_groups), (2, 2, 2));
+    assert_eq!(
+        st.selector.as_deref(),
+        Some("tandem.dev/deployment=demo,tandem.dev/role=decode")
+    );
+    assert_eq!(st.group_statuses[1].pods, vec!["demo-g1-i1-d0", "demo-g1-i1-p0"]);
+}
