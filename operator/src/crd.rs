@@ -19,6 +19,8 @@ pub const GROUP: &str = "tandem.dev";
 
 /// A set of bootstrap groups, each made of prefill pods and decode pods that live,
 /// restart and are judged healthy together.
+// The derive expands each `printcolumn(...)` into attributes clippy sees as duplicates.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
     group = "tandem.dev",
@@ -58,7 +60,11 @@ pub const GROUP: &str = "tandem.dev";
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"Available\")].status"
     ),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase")]
 pub struct PDDeploymentSpec {
@@ -379,7 +385,9 @@ pub enum GroupPhase {
 }
 
 /// Why a group was co-restarted (used in events, status and metrics).
-#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema)]
+#[derive(
+    Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema,
+)]
 pub enum CoRestartReason {
     MemberFailed,
     MemberDeleted,
@@ -556,7 +564,10 @@ mod tests {
         let scale = sub.scale.as_ref().expect("scale subresource");
         assert_eq!(scale.spec_replicas_path, ".spec.groups");
         assert_eq!(scale.status_replicas_path, ".status.groups");
-        assert_eq!(scale.label_selector_path.as_deref(), Some(".status.selector"));
+        assert_eq!(
+            scale.label_selector_path.as_deref(),
+            Some(".status.selector")
+        );
         let cols: Vec<_> = v
             .additional_printer_columns
             .as_ref()
@@ -581,7 +592,9 @@ mod tests {
     /// no `properties` together with `additionalProperties`, and the logical junctors
     /// carry no types, defaults or nullability.
     fn assert_structural(path: &str, node: &serde_json::Value) {
-        let obj = node.as_object().unwrap_or_else(|| panic!("{path}: not an object"));
+        let obj = node
+            .as_object()
+            .unwrap_or_else(|| panic!("{path}: not an object"));
         assert!(!obj.contains_key("$ref"), "{path}: $ref is not allowed");
         let int_or_string = obj.get("x-kubernetes-int-or-string") == Some(&true.into());
         let preserve = obj.get("x-kubernetes-preserve-unknown-fields") == Some(&true.into());
@@ -596,7 +609,12 @@ mod tests {
         for junctor in ["allOf", "anyOf", "oneOf", "not"] {
             if let Some(j) = obj.get(junctor) {
                 let text = j.to_string();
-                for banned in ["\"type\"", "\"default\"", "\"nullable\"", "\"additionalProperties\""] {
+                for banned in [
+                    "\"type\"",
+                    "\"default\"",
+                    "\"nullable\"",
+                    "\"additionalProperties\"",
+                ] {
                     assert!(!text.contains(banned), "{path}.{junctor} contains {banned}");
                 }
             }
@@ -622,14 +640,43 @@ mod tests {
         let spec = &schema["properties"]["spec"]["properties"];
         assert_eq!(spec["groups"]["minimum"], 0.0);
         assert_eq!(spec["prefill"]["properties"]["replicas"]["minimum"], 1.0);
-        assert_eq!(spec["transfer"]["properties"]["kvTimeoutSeconds"]["minimum"], 1.0);
-        assert_eq!(spec["health"]["properties"]["probePeriodSeconds"]["minimum"], 1.0);
+        assert_eq!(
+            spec["transfer"]["properties"]["kvTimeoutSeconds"]["minimum"],
+            1.0
+        );
+        assert_eq!(
+            spec["health"]["properties"]["probePeriodSeconds"]["minimum"],
+            1.0
+        );
         assert_eq!(
             spec["rollout"]["properties"]["maxUnavailableGroups"]["minimum"],
             1.0
         );
         let policies = &spec["restart"]["properties"]["policy"]["enum"];
         assert_eq!(policies, &serde_json::json!(["CoRestartGroup", "None"]));
+    }
+
+    #[test]
+    fn example_manifest_parses_and_uses_every_section() {
+        let text = include_str!("../../manifests/smollm2-pd.yaml");
+        let pdd: PDDeployment = serde_yaml::from_str(text).unwrap();
+        assert_eq!(pdd.spec.groups, 2);
+        assert_eq!(pdd.spec.restart.backoff.max_seconds, 300);
+        let vol = pdd.spec.model.volume.as_ref().unwrap();
+        assert_eq!(vol.claim_name.as_deref(), Some("models"));
+        // Every field written in the example survives a round trip (no typos that serde
+        // would silently drop).
+        let back: serde_json::Value = serde_json::to_value(&pdd).unwrap();
+        let orig: serde_json::Value = serde_yaml::from_str(text).unwrap();
+        fn covered(orig: &serde_json::Value, back: &serde_json::Value, path: &str) {
+            if let (serde_json::Value::Object(o), serde_json::Value::Object(b)) = (orig, back) {
+                for (k, v) in o {
+                    let bv = b.get(k).unwrap_or_else(|| panic!("{path}.{k} was dropped"));
+                    covered(v, bv, &format!("{path}.{k}"));
+                }
+            }
+        }
+        covered(&orig["spec"], &back["spec"], "spec");
     }
 
     #[test]

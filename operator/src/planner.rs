@@ -149,10 +149,16 @@ pub struct PlannedEvent {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
     ApplyClientService,
-    ApplyGroupService { group: i32 },
-    ApplyNetworkPolicy { group: i32 },
+    ApplyGroupService {
+        group: i32,
+    },
+    ApplyNetworkPolicy {
+        group: i32,
+    },
     /// Create (never overwrite) the Secret with the group's random key.
-    CreateGroupSecret { group: i32 },
+    CreateGroupSecret {
+        group: i32,
+    },
     CreatePod(Box<PodIntent>),
     DeletePod {
         name: String,
@@ -161,9 +167,14 @@ pub enum Action {
         reason: DeleteReason,
     },
     /// Patch the decode pod's `tandem.dev/group-ready` status condition.
-    SetGroupReadyGate { pod: String, ready: bool },
+    SetGroupReadyGate {
+        pod: String,
+        ready: bool,
+    },
     /// Remove the Service, NetworkPolicy and Secret of a group that was scaled away.
-    DeleteGroupResources { group: i32 },
+    DeleteGroupResources {
+        group: i32,
+    },
     Event(PlannedEvent),
 }
 
@@ -217,7 +228,11 @@ pub fn network_policy_name(deployment: &str, group: i32) -> String {
 
 /// Label selector of the client-facing decode pods.
 pub fn decode_selector(deployment: &str) -> String {
-    format!("{}={deployment},{}=decode", labels::DEPLOYMENT, labels::ROLE)
+    format!(
+        "{}={deployment},{}=decode",
+        labels::DEPLOYMENT,
+        labels::ROLE
+    )
 }
 
 /// Delay before the co-restart after `streak` consecutive failure co-restarts:
@@ -392,7 +407,9 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         if is_failure(t.reason) {
             continue;
         }
-        let available = groups.get(&g).is_some_and(|m| group_available(m, &triggers));
+        let available = groups
+            .get(&g)
+            .is_some_and(|m| group_available(m, &triggers));
         if !available {
             // Already down: restarting it takes nothing more away.
             fire.insert(g, t.clone());
@@ -407,9 +424,10 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         let pods: Vec<&ObservedPod> = observed.pods.iter().filter(|p| p.group == g).collect();
         let mem = groups.remove(&g).expect("every desired index has memory");
         let prev_phase = remembered.get(&g).map(|m| m.phase);
+        // The Service, NetworkPolicy and key Secret come before the pods that use them.
+        ensure_group_objects(&mut ctx, g);
         let mem = step_group(&mut ctx, mem, &pods, fire.remove(&g), prev_phase);
         groups.insert(g, mem);
-        ensure_group_objects(&mut ctx, g);
     }
 
     let group_statuses: Vec<GroupStatus> = groups.into_values().collect();
@@ -463,7 +481,10 @@ fn scale_down_group(
             EventType::Normal,
             "ScalingDown",
             g,
-            format!("group {g}: removing (spec.groups is {})", ctx.input.spec.groups),
+            format!(
+                "group {g}: removing (spec.groups is {})",
+                ctx.input.spec.groups
+            ),
         );
     }
     mem.phase = GroupPhase::ScalingDown;
@@ -816,7 +837,10 @@ fn build_group(
     let want_decode = template.decode.replicas.max(1);
 
     for i in 0..want_prefill {
-        if !prefill.iter().any(|p| p.name == pod_name(name, g, mem.incarnation, Role::Prefill, i)) {
+        if !prefill
+            .iter()
+            .any(|p| p.name == pod_name(name, g, mem.incarnation, Role::Prefill, i))
+        {
             created_prefill |= create(ctx, Role::Prefill, i);
         }
     }
@@ -824,7 +848,10 @@ fn build_group(
     let prefill_ready = prefill.len() as i32 == want_prefill && prefill.iter().all(healthy);
     if prefill_ready {
         for i in 0..want_decode {
-            if !decode.iter().any(|p| p.name == pod_name(name, g, mem.incarnation, Role::Decode, i)) {
+            if !decode
+                .iter()
+                .any(|p| p.name == pod_name(name, g, mem.incarnation, Role::Decode, i))
+            {
                 created_decode |= create(ctx, Role::Decode, i);
             }
         }
@@ -916,8 +943,8 @@ fn note_phase(ctx: &mut Ctx<'_>, mem: &GroupStatus, prev: Option<GroupPhase>) {
 }
 
 #[cfg(test)]
+mod props;
+#[cfg(test)]
 mod sim;
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod props;

@@ -127,7 +127,10 @@ fn assert_converges(sim: &mut Sim) {
                 .group_statuses
                 .iter()
                 .all(|g| g.phase == GroupPhase::Ready && g.revision == update)
-            && sim.pods.values().all(|p| p.group < groups && !p.terminating);
+            && sim
+                .pods
+                .values()
+                .all(|p| p.group < groups && !p.terminating);
         if done {
             break;
         }
@@ -144,14 +147,36 @@ fn assert_converges(sim: &mut Sim) {
         let wait = plan.requeue_after.map_or(1, |d| d.as_secs().max(1));
         sim.advance(wait);
     }
-    let update = sim.status.as_ref().unwrap().update_revision.clone().unwrap();
+    let update = sim
+        .status
+        .as_ref()
+        .unwrap()
+        .update_revision
+        .clone()
+        .unwrap();
     for g in 0..groups {
         let prefill = sim.pods_of(g, Role::Prefill);
         let decode = sim.pods_of(g, Role::Decode);
-        assert_eq!(prefill.len() as i32, sim.spec.prefill.replicas, "I4: group {g} prefill count");
-        assert_eq!(decode.len() as i32, sim.spec.decode.replicas, "I4: group {g} decode count");
-        assert!(prefill.iter().chain(&decode).all(|p| p.revision == update && p.ready));
-        assert!(decode.iter().all(|p| p.group_ready_gate), "I4: gate open on group {g}");
+        assert_eq!(
+            prefill.len() as i32,
+            sim.spec.prefill.replicas,
+            "I4: group {g} prefill count"
+        );
+        assert_eq!(
+            decode.len() as i32,
+            sim.spec.decode.replicas,
+            "I4: group {g} decode count"
+        );
+        assert!(
+            prefill
+                .iter()
+                .chain(&decode)
+                .all(|p| p.revision == update && p.ready)
+        );
+        assert!(
+            decode.iter().all(|p| p.group_ready_gate),
+            "I4: gate open on group {g}"
+        );
     }
 }
 

@@ -176,14 +176,14 @@ impl Sim {
                 }
             }
             // I5: policy None deletes nothing on its own initiative.
-            Action::DeletePod { name, reason, .. } => {
-                if self.spec.restart.policy == RestartPolicy::None {
-                    assert_eq!(
-                        *reason,
-                        DeleteReason::ScaleDown,
-                        "I5: policy None deleted {name}"
-                    );
-                }
+            Action::DeletePod { name, reason, .. }
+                if self.spec.restart.policy == RestartPolicy::None =>
+            {
+                assert_eq!(
+                    *reason,
+                    DeleteReason::ScaleDown,
+                    "I5: policy None deleted {name}"
+                );
             }
             _ => {}
         }
@@ -219,7 +219,9 @@ impl Sim {
             for p in self.pods.values().filter(|p| p.group_ready_gate) {
                 let g = st.group_statuses.iter().find(|g| g.index == p.group);
                 assert!(
-                    g.is_some_and(|g| g.phase == GroupPhase::Ready && g.incarnation == p.incarnation),
+                    g.is_some_and(
+                        |g| g.phase == GroupPhase::Ready && g.incarnation == p.incarnation
+                    ),
                     "gate open on {} while its group is {:?}",
                     p.name,
                     g.map(|g| g.phase)
@@ -293,7 +295,9 @@ impl Sim {
         let names: Vec<String> = self
             .pods
             .values()
-            .filter(|p| !p.terminating && !matches!(p.phase, PodPhase::Failed | PodPhase::Succeeded))
+            .filter(|p| {
+                !p.terminating && !matches!(p.phase, PodPhase::Failed | PodPhase::Succeeded)
+            })
             .map(|p| p.name.clone())
             .collect();
         for n in names {
@@ -305,11 +309,11 @@ impl Sim {
     pub fn settle(&mut self, max_steps: usize) -> usize {
         for step in 0..max_steps {
             let plan = self.reconcile();
-            let idle = plan
-                .actions
-                .iter()
-                .all(|a| matches!(a, Action::Event(_)))
-                && !self.pods.values().any(|p| p.terminating || p.phase == PodPhase::Pending);
+            let idle = plan.actions.iter().all(|a| matches!(a, Action::Event(_)))
+                && !self
+                    .pods
+                    .values()
+                    .any(|p| p.terminating || p.phase == PodPhase::Pending);
             if idle {
                 return step;
             }
@@ -367,7 +371,9 @@ impl Sim {
     }
 
     pub fn co_restart_reasons(plan: &Plan) -> Vec<(i32, CoRestartReason)> {
-        plan.co_restarts.iter().map(|r| (r.group, r.reason)).collect()
+        plan.co_restarts
+            .iter()
+            .map(|r| (r.group, r.reason))
+            .collect()
     }
-
 }

@@ -58,7 +58,11 @@ pub(super) fn summarize(
 
     let paused = input.spec.rollout.paused;
     let (progressing, reason, message) = if rolled_out {
-        (false, "Complete", format!("{desired} groups ready at revision {}", ctx.update_revision))
+        (
+            false,
+            "Complete",
+            format!("{desired} groups ready at revision {}", ctx.update_revision),
+        )
     } else if paused {
         (false, "Paused", "rollout paused".to_string())
     } else {
@@ -101,7 +105,10 @@ pub(super) fn summarize(
         (
             true,
             "CoRestartBackoff",
-            format!("co-restart held back by backoff for groups {}", list(&backoff)),
+            format!(
+                "co-restart held back by backoff for groups {}",
+                list(&backoff)
+            ),
         )
     } else if let Some(g) = held.first() {
         (
@@ -110,7 +117,11 @@ pub(super) fn summarize(
             g.message.clone().unwrap_or_default(),
         )
     } else if !broken.is_empty() {
-        (true, "GroupBroken", format!("groups {} broken", list(&broken)))
+        (
+            true,
+            "GroupBroken",
+            format!("groups {} broken", list(&broken)),
+        )
     } else {
         (false, "AsExpected", "no group is broken".to_string())
     };
@@ -198,4 +209,3 @@ fn set_condition(
         observed_generation: generation,
     });
 }
-

@@ -23,7 +23,10 @@ fn only_pod(sim: &Sim, g: i32, role: Role) -> String {
     pods[0].name.clone()
 }
 
-fn condition_of<'a>(sim: &'a Sim, type_: &str) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+fn condition_of<'a>(
+    sim: &'a Sim,
+    type_: &str,
+) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
     sim.status
         .as_ref()
         .unwrap()
@@ -38,9 +41,18 @@ fn new_deployment_creates_prefill_and_objects_but_no_decode() {
     let mut sim = Sim::new(spec(1));
     let plan = sim.reconcile();
     assert!(plan.actions.contains(&Action::ApplyClientService));
-    assert!(plan.actions.contains(&Action::ApplyGroupService { group: 0 }));
-    assert!(plan.actions.contains(&Action::ApplyNetworkPolicy { group: 0 }));
-    assert!(plan.actions.contains(&Action::CreateGroupSecret { group: 0 }));
+    assert!(
+        plan.actions
+            .contains(&Action::ApplyGroupService { group: 0 })
+    );
+    assert!(
+        plan.actions
+            .contains(&Action::ApplyNetworkPolicy { group: 0 })
+    );
+    assert!(
+        plan.actions
+            .contains(&Action::CreateGroupSecret { group: 0 })
+    );
     assert_eq!(
         Sim::created(&plan),
         vec![("demo-g0-i1-p0".to_string(), Role::Prefill)]
@@ -85,7 +97,10 @@ fn gate_opens_only_when_the_whole_group_is_ready() {
     let d = only_pod(&sim, 0, Role::Decode);
     let plan = sim.reconcile();
     assert!(
-        !plan.actions.iter().any(|a| matches!(a, Action::SetGroupReadyGate { .. })),
+        !plan
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::SetGroupReadyGate { .. })),
         "gate stays closed while the decode is not ready"
     );
     sim.set_ready(&d, true);
@@ -98,13 +113,22 @@ fn gate_opens_only_when_the_whole_group_is_ready() {
     assert!(sim.group(0).bootstrap_healthy);
     assert_eq!(plan.became_ready.len(), 1);
     assert_eq!(condition_of(&sim, condition::AVAILABLE).status, "True");
-    assert_eq!(condition_of(&sim, condition::BOOTSTRAP_HEALTHY).status, "True");
+    assert_eq!(
+        condition_of(&sim, condition::BOOTSTRAP_HEALTHY).status,
+        "True"
+    );
     // The decode's channel breaks: the gate closes at once, before any co-restart.
     sim.set_ready(&d, false);
     let plan = sim.reconcile();
-    assert!(plan.actions.contains(&Action::SetGroupReadyGate { pod: d, ready: false }));
+    assert!(plan.actions.contains(&Action::SetGroupReadyGate {
+        pod: d,
+        ready: false
+    }));
     assert_eq!(sim.group(0).phase, GroupPhase::Broken);
-    assert_eq!(condition_of(&sim, condition::BOOTSTRAP_HEALTHY).status, "False");
+    assert_eq!(
+        condition_of(&sim, condition::BOOTSTRAP_HEALTHY).status,
+        "False"
+    );
     assert!(plan.co_restarts.is_empty());
 }
 
@@ -116,13 +140,20 @@ fn member_failed_removes_decode_then_prefill_then_rebuilds_prefill_first() {
     sim.fail(&d);
     let plan = sim.reconcile();
     assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::MemberFailed)]);
-    assert_eq!(Sim::deleted(&plan), vec![(d.clone(), Role::Decode)], "decode first, alone");
+    assert_eq!(
+        Sim::deleted(&plan),
+        vec![(d.clone(), Role::Decode)],
+        "decode first, alone"
+    );
     let ev = sim.events(&plan);
     assert!(ev.iter().any(|e| e.reason == "MemberFailed"
         && e.type_ == EventType::Warning
         && e.message.contains("incarnation 1 → 2")));
     let g = sim.group(0);
-    assert_eq!((g.incarnation, g.phase, g.co_restarts), (2, GroupPhase::Restarting, 1));
+    assert_eq!(
+        (g.incarnation, g.phase, g.co_restarts),
+        (2, GroupPhase::Restarting, 1)
+    );
     assert_eq!(g.last_co_restart.as_ref().unwrap().reason, R::MemberFailed);
 
     // The decode is still terminating: the prefill is not touched yet.
@@ -132,7 +163,10 @@ fn member_failed_removes_decode_then_prefill_then_rebuilds_prefill_first() {
     sim.finish_terminations();
     let plan = sim.reconcile();
     assert_eq!(Sim::deleted(&plan), vec![(p, Role::Prefill)]);
-    assert!(Sim::created(&plan).is_empty(), "nothing new while the old prefill lives");
+    assert!(
+        Sim::created(&plan).is_empty(),
+        "nothing new while the old prefill lives"
+    );
     sim.finish_terminations();
     let plan = sim.reconcile();
     assert_eq!(
@@ -224,12 +258,20 @@ fn incarnation_mismatch_inside_a_group() {
     let mut sim = ready_sim(1);
     // A decode of an old incarnation shows up beside the group's pods (for example
     // left behind by an operator that lost its status).
-    let mut stray = sim.pods.values().find(|p| p.role == Role::Decode).unwrap().clone();
+    let mut stray = sim
+        .pods
+        .values()
+        .find(|p| p.role == Role::Decode)
+        .unwrap()
+        .clone();
     stray.name = "demo-g0-i0-d0".into();
     stray.incarnation = 0;
     sim.pods.insert(stray.name.clone(), stray);
     let plan = sim.peek();
-    assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::IncarnationMismatch)]);
+    assert_eq!(
+        Sim::co_restart_reasons(&plan),
+        vec![(0, R::IncarnationMismatch)]
+    );
     // Both decodes go first; the prefill waits.
     let deleted = Sim::deleted(&plan);
     assert_eq!(deleted.len(), 2);
@@ -246,7 +288,10 @@ fn status_lost_recovers_incarnation_from_labels() {
     assert_eq!(sim.group(0).incarnation, 2);
     sim.status = None; // the operator forgot everything
     let plan = sim.reconcile();
-    assert!(plan.co_restarts.is_empty(), "no restart for a healthy group");
+    assert!(
+        plan.co_restarts.is_empty(),
+        "no restart for a healthy group"
+    );
     assert!(Sim::created(&plan).is_empty());
     assert_eq!(sim.group(0).incarnation, 2);
     assert_eq!(sim.group(0).phase, GroupPhase::Ready);
@@ -257,9 +302,15 @@ fn revision_change_rolls_one_group_at_a_time_highest_first() {
     let mut sim = ready_sim(3);
     sim.spec.decode.template.image = "tandem:2".into();
     let plan = sim.reconcile();
-    assert_eq!(Sim::co_restart_reasons(&plan), vec![(2, R::RevisionChanged)]);
+    assert_eq!(
+        Sim::co_restart_reasons(&plan),
+        vec![(2, R::RevisionChanged)]
+    );
     let ev = sim.events(&plan);
-    assert!(ev.iter().any(|e| e.reason == "RevisionChanged" && e.type_ == EventType::Normal));
+    assert!(
+        ev.iter()
+            .any(|e| e.reason == "RevisionChanged" && e.type_ == EventType::Normal)
+    );
     // Group 2 is down: nothing else starts.
     assert!(sim.reconcile().co_restarts.is_empty());
     let mut order = vec![2];
@@ -273,7 +324,10 @@ fn revision_change_rolls_one_group_at_a_time_highest_first() {
     let st = sim.status.as_ref().unwrap();
     assert_eq!(st.updated_groups, 3);
     assert_eq!(st.current_revision, st.update_revision);
-    assert_eq!(condition_of(&sim, condition::PROGRESSING).reason, "Complete");
+    assert_eq!(
+        condition_of(&sim, condition::PROGRESSING).reason,
+        "Complete"
+    );
 }
 
 #[test]
@@ -333,7 +387,15 @@ fn broken_groups_are_repaired_before_healthy_ones_are_rolled() {
         "the repair uses the rollout's budget; healthy groups wait"
     );
     // The repair rebuilds the group at the update revision.
-    assert_eq!(sim.group(0).revision, sim.status.as_ref().unwrap().update_revision.clone().unwrap());
+    assert_eq!(
+        sim.group(0).revision,
+        sim.status
+            .as_ref()
+            .unwrap()
+            .update_revision
+            .clone()
+            .unwrap()
+    );
 }
 
 #[test]
@@ -343,7 +405,10 @@ fn restart_request_rolls_groups_once_each() {
     sim.restart_requested_at = Some(sim.now);
     sim.advance(1);
     let plan = sim.reconcile();
-    assert_eq!(Sim::co_restart_reasons(&plan), vec![(1, R::RestartRequested)]);
+    assert_eq!(
+        Sim::co_restart_reasons(&plan),
+        vec![(1, R::RestartRequested)]
+    );
     let mut n = 1;
     for _ in 0..40 {
         sim.start_pending();
@@ -374,12 +439,19 @@ fn repeated_failures_back_off_exponentially() {
         sim.fail(&d);
         let plan = sim.reconcile();
         if round == 0 {
-            assert_eq!(plan.co_restarts.len(), 1, "the first co-restart is immediate");
+            assert_eq!(
+                plan.co_restarts.len(),
+                1,
+                "the first co-restart is immediate"
+            );
         } else {
             assert!(plan.co_restarts.is_empty(), "held back");
             assert_eq!(sim.group(0).phase, GroupPhase::Broken);
             let c = condition_of(&sim, condition::DEGRADED);
-            assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", "CoRestartBackoff"));
+            assert_eq!(
+                (c.status.as_str(), c.reason.as_str()),
+                ("True", "CoRestartBackoff")
+            );
             let wait = plan.requeue_after.expect("requeue at the deadline");
             delays.push(wait.as_secs());
             sim.advance(wait.as_secs());
@@ -416,14 +488,24 @@ fn scale_up_adds_groups_and_scale_down_removes_highest_decode_first() {
     let plan = sim.reconcile();
     let deleted = Sim::deleted(&plan);
     assert_eq!(deleted.len(), 2);
-    assert!(deleted.iter().all(|(n, r)| *r == Role::Decode && !n.contains("-g0-")));
+    assert!(
+        deleted
+            .iter()
+            .all(|(n, r)| *r == Role::Decode && !n.contains("-g0-"))
+    );
     sim.finish_terminations();
     let plan = sim.reconcile();
     assert!(Sim::deleted(&plan).iter().all(|(_, r)| *r == Role::Prefill));
     sim.finish_terminations();
     let plan = sim.reconcile();
-    assert!(plan.actions.contains(&Action::DeleteGroupResources { group: 1 }));
-    assert!(plan.actions.contains(&Action::DeleteGroupResources { group: 2 }));
+    assert!(
+        plan.actions
+            .contains(&Action::DeleteGroupResources { group: 1 })
+    );
+    assert!(
+        plan.actions
+            .contains(&Action::DeleteGroupResources { group: 2 })
+    );
     sim.reconcile();
     let st = sim.status.as_ref().unwrap();
     assert_eq!(st.group_statuses.len(), 1);
@@ -446,9 +528,18 @@ fn policy_none_reports_but_never_deletes() {
         assert!(plan.co_restarts.is_empty());
     }
     assert_eq!(sim.group(0).phase, GroupPhase::Broken);
-    assert!(sim.group(0).message.as_ref().unwrap().contains("MemberFailed"));
+    assert!(
+        sim.group(0)
+            .message
+            .as_ref()
+            .unwrap()
+            .contains("MemberFailed")
+    );
     let c = condition_of(&sim, condition::DEGRADED);
-    assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", "CoRestartSuppressed"));
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("True", "CoRestartSuppressed")
+    );
     // The healthy group keeps serving at its old revision.
     assert_eq!(sim.group(1).phase, GroupPhase::Ready);
 }
@@ -456,10 +547,15 @@ fn policy_none_reports_but_never_deletes() {
 #[test]
 fn conditions_keep_their_transition_time_while_unchanged() {
     let mut sim = ready_sim(1);
-    let t0 = condition_of(&sim, condition::AVAILABLE).last_transition_time.clone();
+    let t0 = condition_of(&sim, condition::AVAILABLE)
+        .last_transition_time
+        .clone();
     sim.advance(100);
     sim.reconcile();
-    assert_eq!(condition_of(&sim, condition::AVAILABLE).last_transition_time, t0);
+    assert_eq!(
+        condition_of(&sim, condition::AVAILABLE).last_transition_time,
+        t0
+    );
 }
 
 #[test]
@@ -471,5 +567,8 @@ fn status_counts_and_selector() {
         st.selector.as_deref(),
         Some("tandem.dev/deployment=demo,tandem.dev/role=decode")
     );
-    assert_eq!(st.group_statuses[1].pods, vec!["demo-g1-i1-d0", "demo-g1-i1-p0"]);
+    assert_eq!(
+        st.group_statuses[1].pods,
+        vec!["demo-g1-i1-d0", "demo-g1-i1-p0"]
+    );
 }

@@ -1,0 +1,671 @@
+//! The reconciler: observe what a `PDDeployment` owns, ask the planner what to do, do
+//! it in the planner's order, and persist the planner's status.
+//!
+//! Reads go straight to the API server on every reconcile (one GET of the deployment,
+//! then label-selected lists of its pods, Services, NetworkPolicies and Secrets; the
+//! last three as metadata only, so Secret data is never read). Cached reads would make a
+//! reconcile triggered by a pod event see the status from before the previous reconcile's
+//! write, and the planner would take an already-handled deletion for a new one. The
+//! deployment is read before the pods, so the pods are never older than the status, which
+//! is the direction the planner recovers from (it trusts pod labels over the status).
+//!
+//! Owned objects are watched (metadata only) by the [`Controller`] just to trigger
+//! reconciles.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{Future, StreamExt};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod, Secret, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action as Requeue, Controller};
+use kube::runtime::events::{Event, EventType as KubeEventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use serde_json::json;
+use tracing::{debug, info, instrument, warn};
+
+use crate::crd::{PDDeployment, PDDeploymentStatus, condition, labels};
+use crate::metrics::Metrics;
+use crate::planner::{
+    self, Action, EventType, Observed, ObservedPod, PlanInput, PlannedEvent, PodPhase, Role,
+};
+use crate::resources::{self, BuildError};
+
+/// Field manager of every server-side apply.
+pub const FIELD_MANAGER: &str = labels::MANAGER;
+/// Reconcile at least this often even when nothing changes.
+pub const DEFAULT_REQUEUE: Duration = Duration::from_secs(300);
+const ERROR_BACKOFF_BASE: Duration = Duration::from_secs(5);
+const ERROR_BACKOFF_MAX: Duration = Duration::from_secs(300);
+/// Kubernetes limits an event note to 1 kB.
+const MAX_NOTE: usize = 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{action}: {source}")]
+    Kube {
+        action: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    #[error("PDDeployment has no namespace")]
+    NoNamespace,
+}
+
+impl Error {
+    fn kube(action: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
+        let action = action.into();
+        move |source| Error::Kube { action, source }
+    }
+
+    /// Bounded label for `tandem_operator_reconcile_errors_total{reason}`.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube {
+                source: kube::Error::Api(s),
+                ..
+            } => match s.code {
+                403 => "forbidden",
+                404 => "not_found",
+                409 => "conflict",
+                422 => "invalid",
+                429 => "throttled",
+                500..=599 => "server_error",
+                _ => "api_error",
+            },
+            Error::Kube { .. } => "transport",
+            Error::Build(_) => "build",
+            Error::NoNamespace => "invalid_object",
+        }
+    }
+}
+
+/// Shared state of every reconcile.
+pub struct Context {
+    pub client: Client,
+    pub metrics: Arc<Metrics>,
+    /// Who publishes events.
+    pub reporter: Reporter,
+    /// The planner's notion of now (fixed in tests).
+    pub clock: Arc<dyn Fn() -> Timestamp + Send + Sync>,
+    /// Consecutive failed reconciles per `namespace/name`, for the error backoff.
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+impl Context {
+    pub fn new(client: Client, metrics: Arc<Metrics>, reporter: Reporter) -> Self {
+        Self {
+            client,
+            metrics,
+            reporter,
+            clock: Arc::new(Timestamp::now),
+            failures: Mutex::default(),
+        }
+    }
+
+    /// Same, with a fixed clock (tests).
+    pub fn with_clock(mut self, clock: impl Fn() -> Timestamp + Send + Sync + 'static) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    fn failures(&self) -> std::sync::MutexGuard<'_, HashMap<String, u32>> {
+        self.failures.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn key(pdd: &PDDeployment) -> String {
+    format!("{}/{}", pdd.namespace().unwrap_or_default(), pdd.name_any())
+}
+
+fn is_status(e: &kube::Error, code: u16) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == code)
+}
+
+/// Read a pod into the planner's view. Errors name the label that could not be parsed.
+pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
+    let name = pod.name_any();
+    let l = pod.labels();
+    let label = |k: &str| l.get(k).ok_or_else(|| format!("label {k} missing"));
+    let group = label(labels::GROUP)?
+        .parse::<i32>()
+        .map_err(|e| format!("label {}: {e}", labels::GROUP))?;
+    let role_s = label(labels::ROLE)?;
+    let role = Role::parse(role_s).ok_or_else(|| format!("label {}: {role_s:?}", labels::ROLE))?;
+    let incarnation = label(labels::INCARNATION)?
+        .parse::<i64>()
+        .map_err(|e| format!("label {}: {e}", labels::INCARNATION))?;
+    let revision = label(labels::REVISION)?.clone();
+    let status = pod.status.as_ref();
+    let phase = match status.and_then(|s| s.phase.as_deref()) {
+        None | Some("Pending") => PodPhase::Pending,
+        Some("Running") => PodPhase::Running,
+        Some("Succeeded") => PodPhase::Succeeded,
+        Some("Failed") => PodPhase::Failed,
+        Some(_) => PodPhase::Unknown,
+    };
+    let conditions = status
+        .and_then(|s| s.conditions.as_deref())
+        .unwrap_or_default();
+    let cond = |t: &str| conditions.iter().find(|c| c.type_ == t);
+    let containers_ready = cond("ContainersReady");
+    let ready = containers_ready.is_some_and(|c| c.status == "True");
+    let not_ready_since = match containers_ready {
+        Some(c) if !ready => c.last_transition_time.as_ref().map(|t| t.0),
+        _ => None,
+    };
+    let group_ready_gate = cond(labels::GROUP_READY_GATE).is_some_and(|c| c.status == "True");
+    Ok(ObservedPod {
+        name,
+        group,
+        role,
+        revision,
+        incarnation,
+        phase,
+        terminating: pod.metadata.deletion_timestamp.is_some(),
+        ready,
+        not_ready_since,
+        group_ready_gate,
+    })
+}
+
+/// The `tandem.dev/restart-requested-at` annotation: absent, a time, or unparsable.
+pub fn restart_requested_at(pdd: &PDDeployment) -> Result<Option<Timestamp>, String> {
+    match pdd.annotations().get(labels::RESTART_REQUESTED_AT) {
+        None => Ok(None),
+        Some(v) if v.trim().is_empty() => Ok(None),
+        Some(v) => v.trim().parse::<Timestamp>().map(Some).map_err(|e| {
+            format!(
+                "{}: {v:?} is not an RFC 3339 time: {e}",
+                labels::RESTART_REQUESTED_AT
+            )
+        }),
+    }
+}
+
+/// Read everything the deployment owns.
+async fn observe(ctx: &Context, ns: &str, name: &str) -> Result<Observed, Error> {
+    let client = &ctx.client;
+    let lp = ListParams::default().labels(&format!("{}={name}", labels::DEPLOYMENT));
+    let pods = Api::<Pod>::namespaced(client.clone(), ns)
+        .list(&lp)
+        .await
+        .map_err(Error::kube("listing pods"))?;
+    let mut observed = Observed::default();
+    for pod in &pods.items {
+        match observe_pod(pod) {
+            Ok(p) => observed.pods.push(p),
+            Err(why) => {
+                ctx.metrics.unparsable_pods.inc();
+                warn!(pod = %pod.name_any(), deployment = name, namespace = ns, "skipping pod: {why}");
+            }
+        }
+    }
+    let group_of = |l: &std::collections::BTreeMap<String, String>| {
+        l.get(labels::GROUP).and_then(|g| g.parse::<i32>().ok())
+    };
+    let services = Api::<Service>::namespaced(client.clone(), ns)
+        .list_metadata(&lp)
+        .await
+        .map_err(Error::kube("listing services"))?;
+    for s in &services.items {
+        let sname = s.name_any();
+        if sname == name {
+            observed.client_service = true;
+        } else if let Some(g) = group_of(s.labels())
+            && sname == planner::group_service_name(name, g)
+        {
+            observed.group_services.insert(g);
+        }
+    }
+    let policies = Api::<NetworkPolicy>::namespaced(client.clone(), ns)
+        .list_metadata(&lp)
+        .await
+        .map_err(Error::kube("listing network policies"))?;
+    for p in &policies.items {
+        if let Some(g) = group_of(p.labels())
+            && p.name_any() == planner::network_policy_name(name, g)
+        {
+            observed.network_policies.insert(g);
+        }
+    }
+    let secrets = Api::<Secret>::namespaced(client.clone(), ns)
+        .list_metadata(&lp)
+        .await
+        .map_err(Error::kube("listing secrets"))?;
+    for s in &secrets.items {
+        if let Some(g) = group_of(s.labels())
+            && s.name_any() == planner::group_secret_name(name, g)
+        {
+            observed.group_secrets.insert(g);
+        }
+    }
+    Ok(observed)
+}
+
+/// Reconcile one `PDDeployment`.
+#[instrument(skip_all, fields(deployment = %trigger.name_any(), namespace = trigger.namespace().unwrap_or_default()))]
+pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<Requeue, Error> {
+    let _timer = ctx.metrics.reconcile_started();
+    let ns = trigger.namespace().ok_or(Error::NoNamespace)?;
+    let name = trigger.name_any();
+    let api: Api<PDDeployment> = Api::namespaced(ctx.client.clone(), &ns);
+    let Some(pdd) = api
+        .get_opt(&name)
+        .await
+        .map_err(Error::kube("reading the PDDeployment"))?
+    else {
+        return Ok(Requeue::await_change());
+    };
+    if pdd.metadata.deletion_timestamp.is_some() {
+        // Owner references let the garbage collector remove the children.
+        return Ok(Requeue::await_change());
+    }
+    let observed = observe(&ctx, &ns, &name).await?;
+    let now = (ctx.clock)();
+    let (restart_requested_at, bad_annotation) = match restart_requested_at(&pdd) {
+        Ok(t) => (t, None),
+        Err(why) => (None, Some(why)),
+    };
+    let plan = planner::plan(&PlanInput {
+        name: &name,
+        generation: pdd.metadata.generation,
+        spec: &pdd.spec,
+        status: pdd.status.as_ref(),
+        restart_requested_at,
+        observed: &observed,
+        now,
+    });
+    debug!(actions = plan.actions.len(), "planned");
+
+    // A fresh recorder per reconcile: kube's recorder folds events with the same
+    // (type, reason, action, related) into a series for 6 minutes and keeps the first
+    // note, which would hide a group's later phase changes.
+    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
+    let mut result = Ok(());
+    for action in &plan.actions {
+        // Stop at the first failure: later actions may depend on earlier ones (decode
+        // pods are removed before prefill pods).
+        if let Err(e) = apply(&ctx, &pdd, &recorder, action).await {
+            result = Err(e);
+            break;
+        }
+    }
+    let mut status = plan.status.clone();
+    if let Some(why) = &bad_annotation {
+        warn!("{why}");
+        publish(
+            &recorder,
+            &pdd,
+            &PlannedEvent {
+                type_: EventType::Warning,
+                reason: "InvalidRestartRequest".into(),
+                group: -1,
+                message: why.clone(),
+            },
+        )
+        .await;
+        degrade(
+            &mut status,
+            pdd.status.as_ref(),
+            "InvalidRestartRequest",
+            why,
+            now,
+        );
+    }
+    // The status is written even after a failed action: it carries the planner's memory
+    // (a co-restart's new incarnation), which must not be decided twice.
+    write_status(&api, &name, &status).await?;
+    ctx.metrics.plan_applied(&plan);
+    result?;
+    ctx.failures().remove(&key(&pdd));
+    Ok(Requeue::requeue(
+        plan.requeue_after.unwrap_or(DEFAULT_REQUEUE),
+    ))
+}
+
+/// Mark `Degraded` True with `reason` unless the planner already reports a degradation,
+/// in which case the message is appended.
+fn degrade(
+    status: &mut PDDeploymentStatus,
+    prev: Option<&PDDeploymentStatus>,
+    reason: &str,
+    message: &str,
+    now: Timestamp,
+) {
+    let Some(c) = status
+        .conditions
+        .iter_mut()
+        .find(|c| c.type_ == condition::DEGRADED)
+    else {
+        return;
+    };
+    if c.status == "True" {
+        c.message = format!("{}; {message}", c.message);
+        return;
+    }
+    let since = prev
+        .and_then(|p| p.conditions.iter().find(|c| c.type_ == condition::DEGRADED))
+        .filter(|c| c.status == "True")
+        .map(|c| c.last_transition_time.clone())
+        .unwrap_or(Time(now));
+    *c = Condition {
+        type_: condition::DEGRADED.into(),
+        status: "True".into(),
+        reason: reason.into(),
+        message: message.into(),
+        last_transition_time: since,
+        observed_generation: c.observed_generation,
+    };
+}
+
+async fn write_status(
+    api: &Api<PDDeployment>,
+    name: &str,
+    status: &PDDeploymentStatus,
+) -> Result<(), Error> {
+    let patch = json!({
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "PDDeployment",
+        "status": status,
+    });
+    api.patch_status(
+        name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(Error::kube("writing status"))?;
+    Ok(())
+}
+
+fn apply_params() -> PatchParams {
+    PatchParams::apply(FIELD_MANAGER).force()
+}
+
+async fn server_side_apply<K>(api: &Api<K>, obj: &K, what: &str) -> Result<(), Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    api.patch(&name, &apply_params(), &Patch::Apply(obj))
+        .await
+        .map_err(Error::kube(format!("applying {what} {name}")))?;
+    Ok(())
+}
+
+/// Delete, treating "already gone" as success.
+async fn delete<K>(api: &Api<K>, name: &str, what: &str) -> Result<(), Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(e) if is_status(&e, 404) => Ok(()),
+        Err(e) => Err(Error::kube(format!("deleting {what} {name}"))(e)),
+    }
+}
+
+/// Carry out one planned action.
+async fn apply(
+    ctx: &Context,
+    pdd: &PDDeployment,
+    recorder: &Recorder,
+    action: &Action,
+) -> Result<(), Error> {
+    let ns = pdd.namespace().ok_or(Error::NoNamespace)?;
+    let name = pdd.name_any();
+    let client = ctx.client.clone();
+    match action {
+        Action::ApplyClientService => {
+            let api = Api::<Service>::namespaced(client, &ns);
+            server_side_apply(&api, &resources::client_service(pdd)?, "service").await
+        }
+        Action::ApplyGroupService { group } => {
+            let api = Api::<Service>::namespaced(client, &ns);
+            server_side_apply(&api, &resources::group_service(pdd, *group)?, "service").await
+        }
+        Action::ApplyNetworkPolicy { group } => {
+            let api = Api::<NetworkPolicy>::namespaced(client, &ns);
+            let np = resources::network_policy(pdd, *group)?;
+            server_side_apply(&api, &np, "network policy").await
+        }
+        Action::CreateGroupSecret { group } => {
+            let api = Api::<Secret>::namespaced(client, &ns);
+            let secret = resources::group_secret(pdd, *group, &resources::random_group_key())?;
+            match api.create(&PostParams::default(), &secret).await {
+                Ok(_) => Ok(()),
+                // Never overwrite an existing key: pods may be using it.
+                Err(e) if is_status(&e, 409) => Ok(()),
+                Err(e) => Err(Error::kube(format!(
+                    "creating secret {}",
+                    planner::group_secret_name(&name, *group)
+                ))(e)),
+            }
+        }
+        Action::CreatePod(intent) => {
+            info!(pod = %intent.name, group = intent.group, role = intent.role.as_str(), incarnation = intent.incarnation, "creating pod");
+            let api = Api::<Pod>::namespaced(client, &ns);
+            server_side_apply(&api, &resources::pod(pdd, intent)?, "pod").await
+        }
+        Action::DeletePod {
+            name: pod,
+            group,
+            role,
+            reason,
+        } => {
+            info!(pod, group, role = role.as_str(), ?reason, "deleting pod");
+            delete(&Api::<Pod>::namespaced(client, &ns), pod, "pod").await
+        }
+        Action::SetGroupReadyGate { pod, ready } => {
+            set_gate(
+                &Api::<Pod>::namespaced(client, &ns),
+                pod,
+                *ready,
+                (ctx.clock)(),
+            )
+            .await
+        }
+        Action::DeleteGroupResources { group } => {
+            let g = *group;
+            delete(
+                &Api::<Service>::namespaced(client.clone(), &ns),
+                &planner::group_service_name(&name, g),
+                "service",
+            )
+            .await?;
+            delete(
+                &Api::<NetworkPolicy>::namespaced(client.clone(), &ns),
+                &planner::network_policy_name(&name, g),
+                "network policy",
+            )
+            .await?;
+            delete(
+                &Api::<Secret>::namespaced(client, &ns),
+                &planner::group_secret_name(&name, g),
+                "secret",
+            )
+            .await
+        }
+        Action::Event(ev) => {
+            publish(recorder, pdd, ev).await;
+            Ok(())
+        }
+    }
+}
+
+/// Set the `tandem.dev/group-ready` condition of a decode pod.
+///
+/// A strategic merge patch of the `status` subresource: `PodStatus.conditions` has
+/// patch strategy `merge` keyed by `type`, so the API server merges our one condition
+/// into the kubelet's list instead of replacing it. This is how readiness-gate
+/// controllers set their conditions; JSON merge patch would replace the whole list, and
+/// the kubelet never touches conditions it does not own.
+async fn set_gate(api: &Api<Pod>, pod: &str, ready: bool, now: Timestamp) -> Result<(), Error> {
+    let (status, reason, message) = if ready {
+        (
+            "True",
+            "GroupReady",
+            "every member of the group is ready at one incarnation",
+        )
+    } else {
+        ("False", "GroupNotReady", "the group is not ready")
+    };
+    let patch = json!({
+        "status": {
+            "conditions": [{
+                "type": labels::GROUP_READY_GATE,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": Time(now),
+            }]
+        }
+    });
+    match api
+        .patch_status(pod, &PatchParams::default(), &Patch::Strategic(&patch))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if is_status(&e, 404) => Ok(()),
+        Err(e) => Err(Error::kube(format!("setting the group gate of pod {pod}"))(
+            e,
+        )),
+    }
+}
+
+fn event_action(reason: &str) -> &'static str {
+    match reason {
+        "GroupPhaseChanged" => "UpdateGroupPhase",
+        "ScalingDown" => "ScaleDown",
+        "InvalidRestartRequest" => "ParseAnnotation",
+        r if crate::crd::CoRestartReason::ALL
+            .iter()
+            .any(|c| c.as_str() == r) =>
+        {
+            "CoRestart"
+        }
+        _ => "Reconcile",
+    }
+}
+
+/// Publish an event on the deployment. Events are best effort: a failure is logged and
+/// never fails the reconcile.
+async fn publish(recorder: &Recorder, pdd: &PDDeployment, ev: &PlannedEvent) {
+    let mut note = ev.message.clone();
+    if note.len() > MAX_NOTE {
+        let mut cut = MAX_NOTE;
+        while !note.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        note.truncate(cut);
+    }
+    // The group's bootstrap Service stands for the group, so that events of different
+    // groups are never folded together by the recorder.
+    let secondary = (ev.group >= 0).then(|| ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Service".into()),
+        name: Some(planner::group_service_name(&pdd.name_any(), ev.group)),
+        namespace: pdd.namespace(),
+        ..Default::default()
+    });
+    let event = Event {
+        type_: match ev.type_ {
+            EventType::Normal => KubeEventType::Normal,
+            EventType::Warning => KubeEventType::Warning,
+        },
+        reason: ev.reason.clone(),
+        note: Some(note),
+        action: event_action(&ev.reason).into(),
+        secondary,
+    };
+    if let Err(e) = recorder.publish(&event, &pdd.object_ref(&())).await {
+        warn!(reason = %ev.reason, group = ev.group, "publishing event failed: {e}");
+    }
+}
+
+/// Log, count and requeue with a per-object exponential backoff.
+pub fn error_policy(pdd: Arc<PDDeployment>, error: &Error, ctx: Arc<Context>) -> Requeue {
+    let reason = error.metric_label();
+    ctx.metrics.reconcile_failed(reason);
+    let n = {
+        let mut failures = ctx.failures();
+        let n = failures.entry(key(&pdd)).or_insert(0);
+        *n = n.saturating_add(1);
+        *n
+    };
+    let delay = backoff(n);
+    warn!(
+        deployment = %pdd.name_any(),
+        namespace = pdd.namespace().unwrap_or_default(),
+        reason,
+        attempt = n,
+        retry_in_s = delay.as_secs(),
+        "reconcile failed: {error}"
+    );
+    Requeue::requeue(delay)
+}
+
+/// Retry delay after `n` consecutive failures: 5 s × 2^(n-1), at most 5 min.
+pub fn backoff(n: u32) -> Duration {
+    let shift = n.saturating_sub(1).min(16);
+    ERROR_BACKOFF_BASE
+        .saturating_mul(1 << shift)
+        .min(ERROR_BACKOFF_MAX)
+}
+
+/// Run the controller until `shutdown` resolves (then finish running reconciles).
+/// `namespace: None` watches every namespace.
+pub async fn run(
+    ctx: Arc<Context>,
+    namespace: Option<&str>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) -> Result<(), Error> {
+    let client = ctx.client.clone();
+    fn api<K>(client: &Client, ns: Option<&str>) -> Api<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        K::DynamicType: Default,
+    {
+        match ns {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        }
+    }
+    let pdds: Api<PDDeployment> = api(&client, namespace);
+    // Fail fast with a clear message when the CRD is missing or RBAC forbids listing.
+    pdds.list(&ListParams::default().limit(1))
+        .await
+        .map_err(Error::kube("listing PDDeployments (is the CRD installed?)"))?;
+    let owned =
+        watcher::Config::default().labels(&format!("{}={}", labels::MANAGED_BY, labels::MANAGER));
+    Controller::new(pdds, watcher::Config::default().any_semantic())
+        .owns(api::<Pod>(&client, namespace), owned.clone())
+        .owns(api::<Service>(&client, namespace), owned.clone())
+        .owns(api::<NetworkPolicy>(&client, namespace), owned.clone())
+        .owns(api::<Secret>(&client, namespace), owned)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|res| async move {
+            match res {
+                Ok((obj, _)) => debug!(object = %obj, "reconciled"),
+                Err(kube::runtime::controller::Error::ReconcilerFailed(..)) => {
+                    // Already logged and counted by error_policy.
+                }
+                Err(e) => warn!("controller: {e}"),
+            }
+        })
+        .await;
+    info!("controller stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

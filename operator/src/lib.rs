@@ -1,0 +1,13 @@
+//! Tandem operator: reconciles `PDDeployment` resources into bootstrap groups of
+//! prefill + decode pods that are created, co-restarted and rolled as units.
+
+pub mod controller;
+pub mod crd;
+pub mod leader;
+pub mod metrics;
+pub mod planner;
+pub mod resources;
+pub mod server;
+
+#[cfg(test)]
+pub(crate) mod testutil;
