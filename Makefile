@@ -6,7 +6,7 @@ MODEL_DIR := $(CURDIR)/.cache/models
 export TANDEM_PYTHON := $(PYTHON)
 export TANDEM_MODEL_DIR := $(MODEL_DIR)
 
-.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds
+.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests)
 test: lint crd-check pyenv model unit validate-crd
@@ -42,3 +42,9 @@ model:
 
 fmt:
 	cargo fmt --all
+
+## serve: the main job — serve SmolLM2 with the OpenAI API on 127.0.0.1:8000 (CPU, --role both)
+serve: model
+	cargo run --release -p tandem-dataplane --bin tandem-dataplane -- \
+	  --role both --model $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf \
+	  --host 127.0.0.1 --port 8000
