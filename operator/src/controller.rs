@@ -191,7 +191,12 @@ pub fn restart_requested_at(pdd: &PDDeployment) -> Result<Option<Timestamp>, Str
 }
 
 /// Read everything the deployment owns.
-async fn observe(ctx: &Context, ns: &str, name: &str) -> Result<Observed, Error> {
+async fn observe(
+    ctx: &Context,
+    pdd: &PDDeployment,
+    ns: &str,
+    name: &str,
+) -> Result<Observed, Error> {
     let client = &ctx.client;
     let lp = ListParams::default().labels(&format!("{}={name}", labels::DEPLOYMENT));
     let pods = Api::<Pod>::namespaced(client.clone(), ns)
@@ -211,12 +216,20 @@ async fn observe(ctx: &Context, ns: &str, name: &str) -> Result<Observed, Error>
     let group_of = |l: &std::collections::BTreeMap<String, String>| {
         l.get(labels::GROUP).and_then(|g| g.parse::<i32>().ok())
     };
+    // A Service or NetworkPolicy built for other ports counts as missing, so the
+    // planner re-applies it.
+    let ports = resources::ports_label(&pdd.spec.transfer);
+    let fresh =
+        |l: &std::collections::BTreeMap<String, String>| l.get(labels::PORTS) == Some(&ports);
     let services = Api::<Service>::namespaced(client.clone(), ns)
         .list_metadata(&lp)
         .await
         .map_err(Error::kube("listing services"))?;
     for s in &services.items {
         let sname = s.name_any();
+        if !fresh(s.labels()) {
+            continue;
+        }
         if sname == name {
             observed.client_service = true;
         } else if let Some(g) = group_of(s.labels())
@@ -231,6 +244,7 @@ async fn observe(ctx: &Context, ns: &str, name: &str) -> Result<Observed, Error>
         .map_err(Error::kube("listing network policies"))?;
     for p in &policies.items {
         if let Some(g) = group_of(p.labels())
+            && fresh(p.labels())
             && p.name_any() == planner::network_policy_name(name, g)
         {
             observed.network_policies.insert(g);
@@ -268,7 +282,7 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
         // Owner references let the garbage collector remove the children.
         return Ok(Requeue::await_change());
     }
-    let observed = observe(&ctx, &ns, &name).await?;
+    let observed = observe(&ctx, &pdd, &ns, &name).await?;
     let now = (ctx.clock)();
     let (restart_requested_at, bad_annotation) = match restart_requested_at(&pdd) {
         Ok(t) => (t, None),

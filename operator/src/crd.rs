@@ -529,6 +529,9 @@ pub mod labels {
     pub const REVISION: &str = "tandem.dev/revision";
     pub const INCARNATION: &str = "tandem.dev/incarnation";
     pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+    /// On Services and NetworkPolicies: the `<httpPort>-<kvPort>` they were built for,
+    /// so a port change in the spec re-applies them.
+    pub const PORTS: &str = "tandem.dev/ports";
     pub const MANAGER: &str = "tandem-operator";
     /// Pod readiness gate the operator sets True only while the whole group is Ready.
     pub const GROUP_READY_GATE: &str = "tandem.dev/group-ready";

@@ -65,6 +65,20 @@ pub fn deployment_labels(deployment: &str) -> BTreeMap<String, String> {
     ])
 }
 
+/// Value of the `tandem.dev/ports` label: the ports a Service or NetworkPolicy serves.
+pub fn ports_label(t: &crate::crd::TransferSpec) -> String {
+    format!("{}-{}", t.http_port, t.kv_port)
+}
+
+/// `labels` plus the ports label of `pdd`'s current transfer spec.
+fn with_ports(
+    mut labels: BTreeMap<String, String>,
+    pdd: &PDDeployment,
+) -> BTreeMap<String, String> {
+    labels.insert(labels::PORTS.to_string(), ports_label(&pdd.spec.transfer));
+    labels
+}
+
 /// Labels of every object of one group.
 pub fn group_labels(deployment: &str, group: i32) -> BTreeMap<String, String> {
     let mut l = deployment_labels(deployment);
@@ -354,7 +368,7 @@ pub fn client_service(pdd: &PDDeployment) -> Result<Service, BuildError> {
         (labels::ROLE.to_string(), Role::Decode.as_str().to_string()),
     ]);
     Ok(Service {
-        metadata: meta(pdd, name.clone(), deployment_labels(&name))?,
+        metadata: meta(pdd, name.clone(), with_ports(deployment_labels(&name), pdd))?,
         spec: Some(ServiceSpec {
             selector: Some(selector),
             ports: Some(vec![service_port(
@@ -375,7 +389,7 @@ pub fn group_service(pdd: &PDDeployment, group: i32) -> Result<Service, BuildErr
         metadata: meta(
             pdd,
             planner::group_service_name(&name, group),
-            group_labels(&name, group),
+            with_ports(group_labels(&name, group), pdd),
         )?,
         spec: Some(ServiceSpec {
             cluster_ip: Some("None".into()),
@@ -404,7 +418,7 @@ pub fn network_policy(pdd: &PDDeployment, group: i32) -> Result<NetworkPolicy, B
         metadata: meta(
             pdd,
             planner::network_policy_name(&name, group),
-            group_labels(&name, group),
+            with_ports(group_labels(&name, group), pdd),
         )?,
         spec: Some(NetworkPolicySpec {
             pod_selector: Some(LabelSelector {

@@ -133,7 +133,8 @@ fn list(kind: &str, items: Vec<Value>) -> Value {
 }
 
 fn meta_item(name: &str, group: Option<i32>) -> Value {
-    let mut labels = json!({labels::DEPLOYMENT: NAME, labels::MANAGED_BY: labels::MANAGER});
+    let mut labels = json!({labels::DEPLOYMENT: NAME, labels::MANAGED_BY: labels::MANAGER,
+                            labels::PORTS: "8000-5600"});
     if let Some(g) = group {
         labels[labels::GROUP] = json!(g.to_string());
     }
@@ -327,6 +328,28 @@ async fn a_new_deployment_gets_its_objects_and_only_the_prefill_pod() {
     })
     .await;
     assert_eq!(result.unwrap(), Requeue::requeue(DEFAULT_REQUEUE));
+}
+
+#[tokio::test]
+async fn a_port_change_re_applies_services_and_network_policy_but_not_the_secret() {
+    let mut changed = pdd(None);
+    changed.spec.transfer.kv_port = 5601;
+    let (result, _) = run(changed.clone(), |mut api| async move {
+        // The objects exist, labelled for ports 8000-5600.
+        api.reads(&changed, &[], true).await;
+        let svc = api.apply(SERVICES, NAME).await;
+        assert_eq!(svc["metadata"]["labels"][labels::PORTS], "8000-5601");
+        let bootstrap = api.apply(SERVICES, "demo-g0-bootstrap").await;
+        assert_eq!(bootstrap["spec"]["ports"][0]["port"], 5601);
+        let policy = api.apply(POLICIES, "demo-g0-kv").await;
+        assert_eq!(policy["metadata"]["labels"][labels::PORTS], "8000-5601");
+        api.apply(PODS, "demo-g0-i1-p0").await;
+        api.event().await;
+        api.status().await;
+        api.done().await;
+    })
+    .await;
+    result.unwrap();
 }
 
 #[tokio::test]
