@@ -1,0 +1,545 @@
+//! Message types and their encoding into / decoding from the two frames documented in the
+//! module header of `kv`.
+
+use super::codec::{DecodeError, Reader, Writer};
+use super::{HEADER_LEN, MAGIC, MAX_PAYLOAD, MAX_TEXT, MAX_TOKENS, PROTOCOL_VERSION};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum MsgType {
+    Hello = 1,
+    Welcome = 2,
+    Auth = 3,
+    Accepted = 4,
+    Reject = 5,
+    Prefill = 6,
+    KvChunk = 7,
+    Done = 8,
+    Failed = 9,
+    Abort = 10,
+    AbortAck = 11,
+    Ping = 12,
+    Pong = 13,
+}
+
+impl MsgType {
+    pub fn from_u8(v: u8) -> Option<Self> {
+        use MsgType::*;
+        Some(match v {
+            1 => Hello,
+            2 => Welcome,
+            3 => Auth,
+            4 => Accepted,
+            5 => Reject,
+            6 => Prefill,
+            7 => KvChunk,
+            8 => Done,
+            9 => Failed,
+            10 => Abort,
+            11 => AbortAck,
+            12 => Ping,
+            13 => Pong,
+            _ => return None,
+        })
+    }
+
+    /// Whether the header's room id must be non-zero (room messages) or zero (the rest).
+    fn has_room(self) -> bool {
+        use MsgType::*;
+        matches!(self, Prefill | KvChunk | Done | Failed | Abort | AbortAck)
+    }
+}
+
+/// Shape of the KV cache; both sides must agree before any KV moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvLayout {
+    /// GGML type id of the stored rows.
+    pub dtype: u32,
+    pub layers: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub block_size: u32,
+}
+
+macro_rules! codes {
+    ($(#[$m:meta])* $name:ident { $($var:ident = $n:literal => $label:literal,)* }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum $name { $($var,)* }
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$var,)*];
+            pub fn code(self) -> u8 { match self { $($name::$var => $n,)* } }
+            pub fn from_code(c: u8) -> Option<Self> { match c { $($n => Some($name::$var),)* _ => None } }
+            /// Metrics / log label.
+            pub fn label(self) -> &'static str { match self { $($name::$var => $label,)* } }
+        }
+    };
+}
+
+codes!(
+    /// Why a handshake (or a message from an unknown peer) was refused.
+    RejectReason {
+        VersionMismatch = 1 => "version_mismatch",
+        ModelMismatch = 2 => "model_mismatch",
+        LayoutMismatch = 3 => "layout_mismatch",
+        IncarnationMismatch = 4 => "incarnation_mismatch",
+        AuthFailed = 5 => "auth_failed",
+        NotAuthenticated = 6 => "not_authenticated",
+        Malformed = 7 => "malformed",
+    }
+);
+
+codes!(
+    /// Why a room ended in `Failed`.
+    FailCode {
+        PeerRestarted = 1 => "peer_restarted",
+        BootstrapTimeout = 2 => "bootstrap_timeout",
+        KvTimeout = 3 => "kv_timeout",
+        QueueTimeout = 4 => "queue_timeout",
+        EngineFailed = 5 => "engine_failed",
+        BadChunk = 6 => "bad_chunk",
+        DuplicateRoom = 7 => "duplicate_room",
+        NotAuthenticated = 8 => "not_authenticated",
+        SendFailed = 9 => "send_failed",
+        LoopPanic = 10 => "loop_panic",
+        TooLarge = 11 => "too_large",
+        Overloaded = 12 => "overloaded",
+        NoPeer = 13 => "no_peer",
+        ImportFailed = 14 => "import_failed",
+        Incomplete = 15 => "incomplete_kv",
+        Shutdown = 16 => "shutdown",
+    }
+);
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillRequest {
+    pub tokens: Vec<u32>,
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub seed: Option<u64>,
+    pub logprobs: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvChunk {
+    /// Position of this chunk in the room's sequence of chunks (0-based) and their count.
+    pub index: u32,
+    pub count: u32,
+    /// Model layers whose K and V rows this chunk carries: `first_layer..end_layer`.
+    pub first_layer: u16,
+    pub end_layer: u16,
+    /// Byte offset of `data` in the exported KV buffer, and that buffer's total size.
+    pub offset: u64,
+    pub total: u64,
+    /// CRC-32 (IEEE) of `data`.
+    pub crc32: u32,
+    pub data: Vec<u8>,
+}
+
+/// The first token's log-probability and top alternatives, computed by the prefill.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WireLogprob {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Message {
+    Hello {
+        fingerprint: String,
+        layout: KvLayout,
+        nonce: [u8; 32],
+    },
+    Welcome {
+        fingerprint: String,
+        layout: KvLayout,
+        nonce: [u8; 32],
+        mac: [u8; 32],
+    },
+    Auth {
+        mac: [u8; 32],
+    },
+    Accepted,
+    Reject {
+        reason: RejectReason,
+        text: String,
+    },
+    Prefill(PrefillRequest),
+    KvChunk(KvChunk),
+    Done {
+        first_token: u32,
+        prompt_tokens: u32,
+        logprob: Option<WireLogprob>,
+    },
+    Failed {
+        reason: FailCode,
+        text: String,
+    },
+    Abort,
+    AbortAck,
+    Ping {
+        nonce: u64,
+        timestamp_us: u64,
+    },
+    Pong {
+        nonce: u64,
+        timestamp_us: u64,
+    },
+}
+
+impl Message {
+    pub fn msg_type(&self) -> MsgType {
+        match self {
+            Self::Hello { .. } => MsgType::Hello,
+            Self::Welcome { .. } => MsgType::Welcome,
+            Self::Auth { .. } => MsgType::Auth,
+            Self::Accepted => MsgType::Accepted,
+            Self::Reject { .. } => MsgType::Reject,
+            Self::Prefill(_) => MsgType::Prefill,
+            Self::KvChunk(_) => MsgType::KvChunk,
+            Self::Done { .. } => MsgType::Done,
+            Self::Failed { .. } => MsgType::Failed,
+            Self::Abort => MsgType::Abort,
+            Self::AbortAck => MsgType::AbortAck,
+            Self::Ping { .. } => MsgType::Ping,
+            Self::Pong { .. } => MsgType::Pong,
+        }
+    }
+}
+
+/// The fixed header's fields other than magic, version and length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub version: u16,
+    pub msg_type: u8,
+    pub flags: u8,
+    pub incarnation: u64,
+    pub group_incarnation: u64,
+    pub room: u64,
+}
+
+/// A decoded message with the sender facts from its header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Envelope {
+    pub incarnation: u64,
+    pub group_incarnation: u64,
+    /// Non-zero exactly for room messages.
+    pub room: u64,
+    pub msg: Message,
+}
+
+/// Encode into the two frames. The caller is responsible for a non-zero `room` on room
+/// messages (a zero room id there is refused by every decoder).
+pub fn encode(env: &Envelope) -> [Vec<u8>; 2] {
+    let payload = encode_payload(&env.msg);
+    let mut h = Writer::default();
+    h.bytes(MAGIC);
+    h.u16(PROTOCOL_VERSION);
+    h.u8(env.msg.msg_type() as u8);
+    h.u8(0);
+    h.u64(env.incarnation);
+    h.u64(env.group_incarnation);
+    h.u64(env.room);
+    h.u32(payload.len() as u32);
+    [h.buf, payload]
+}
+
+fn layout(w: &mut Writer, l: &KvLayout) {
+    for v in [l.dtype, l.layers, l.kv_heads, l.head_dim, l.block_size] {
+        w.u32(v);
+    }
+}
+
+fn encode_payload(m: &Message) -> Vec<u8> {
+    let mut w = Writer::default();
+    match m {
+        Message::Hello {
+            fingerprint,
+            layout: l,
+            nonce,
+        } => {
+            w.str16(fingerprint, MAX_TEXT);
+            layout(&mut w, l);
+            w.bytes(nonce);
+        }
+        Message::Welcome {
+            fingerprint,
+            layout: l,
+            nonce,
+            mac,
+        } => {
+            w.str16(fingerprint, MAX_TEXT);
+            layout(&mut w, l);
+            w.bytes(nonce);
+            w.bytes(mac);
+        }
+        Message::Auth { mac } => w.bytes(mac),
+        Message::Accepted | Message::Abort | Message::AbortAck => {}
+        Message::Reject { reason, text } => {
+            w.u8(reason.code());
+            w.str16(text, MAX_TEXT);
+        }
+        Message::Failed { reason, text } => {
+            w.u8(reason.code());
+            w.str16(text, MAX_TEXT);
+        }
+        Message::Prefill(p) => {
+            w.u32(p.tokens.len() as u32);
+            for &t in &p.tokens {
+                w.u32(t);
+            }
+            w.f32(p.temperature);
+            w.u32(p.top_k);
+            w.f32(p.top_p);
+            w.u8(p.seed.is_some() as u8);
+            w.u64(p.seed.unwrap_or(0));
+            w.u8(p.logprobs.is_some() as u8);
+            w.u32(p.logprobs.unwrap_or(0));
+        }
+        Message::KvChunk(c) => {
+            w.u32(c.index);
+            w.u32(c.count);
+            w.u16(c.first_layer);
+            w.u16(c.end_layer);
+            w.u64(c.offset);
+            w.u64(c.total);
+            w.u32(c.crc32);
+            w.u32(c.data.len() as u32);
+            w.bytes(&c.data);
+        }
+        Message::Done {
+            first_token,
+            prompt_tokens,
+            logprob,
+        } => {
+            w.u32(*first_token);
+            w.u32(*prompt_tokens);
+            w.u8(logprob.is_some() as u8);
+            if let Some(lp) = logprob {
+                w.f32(lp.logprob);
+                let top = &lp.top[..lp.top.len().min(u8::MAX as usize)];
+                w.u8(top.len() as u8);
+                for &(t, l) in top {
+                    w.u32(t);
+                    w.f32(l);
+                }
+            }
+        }
+        Message::Ping {
+            nonce,
+            timestamp_us,
+        }
+        | Message::Pong {
+            nonce,
+            timestamp_us,
+        } => {
+            w.u64(*nonce);
+            w.u64(*timestamp_us);
+        }
+    }
+    w.buf
+}
+
+/// Parse and check the fixed header (frame 0) against the payload length.
+pub fn decode_header(h: &[u8], payload_len: usize) -> Result<Header, DecodeError> {
+    if h.len() < 7 {
+        return Err(DecodeError::Truncated {
+            needed: HEADER_LEN - h.len(),
+        });
+    }
+    if &h[..4] != MAGIC {
+        return Err(DecodeError::BadMagic);
+    }
+    let mut r = Reader::new(&h[4..]);
+    let version = r.u16()?;
+    let msg_type = r.u8()?;
+    if version != PROTOCOL_VERSION {
+        return Err(DecodeError::WrongVersion {
+            got: version,
+            want: PROTOCOL_VERSION,
+            msg_type,
+        });
+    }
+    if h.len() != HEADER_LEN {
+        return Err(DecodeError::BadLength(format!(
+            "header of {} bytes, expected {HEADER_LEN}",
+            h.len()
+        )));
+    }
+    let flags = r.u8()?;
+    let incarnation = r.u64()?;
+    let group_incarnation = r.u64()?;
+    let room = r.u64()?;
+    let len = r.u32()? as usize;
+    r.finish()?;
+    if payload_len > MAX_PAYLOAD {
+        return Err(DecodeError::Oversized(payload_len));
+    }
+    if len != payload_len {
+        return Err(DecodeError::BadLength(format!(
+            "header says {len} payload bytes, frame has {payload_len}"
+        )));
+    }
+    Ok(Header {
+        version,
+        msg_type,
+        flags,
+        incarnation,
+        group_incarnation,
+        room,
+    })
+}
+
+/// Decode the two frames of one message. Never panics; every failure is typed.
+pub fn decode(frames: &[&[u8]]) -> Result<Envelope, DecodeError> {
+    let [h, p] = frames else {
+        return Err(DecodeError::FrameCount(frames.len()));
+    };
+    let hdr = decode_header(h, p.len())?;
+    let t = MsgType::from_u8(hdr.msg_type).ok_or(DecodeError::UnknownType(hdr.msg_type))?;
+    if t.has_room() != (hdr.room != 0) {
+        return Err(DecodeError::BadRoom { room: hdr.room });
+    }
+    let msg = decode_payload(t, p)?;
+    Ok(Envelope {
+        incarnation: hdr.incarnation,
+        group_incarnation: hdr.group_incarnation,
+        room: hdr.room,
+        msg,
+    })
+}
+
+fn read_layout(r: &mut Reader) -> Result<KvLayout, DecodeError> {
+    Ok(KvLayout {
+        dtype: r.u32()?,
+        layers: r.u32()?,
+        kv_heads: r.u32()?,
+        head_dim: r.u32()?,
+        block_size: r.u32()?,
+    })
+}
+
+fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
+    let mut r = Reader::new(p);
+    let reason_text = |r: &mut Reader| -> Result<(u8, String), DecodeError> {
+        let c = r.u8()?;
+        Ok((c, r.str16(MAX_TEXT)?))
+    };
+    let m = match t {
+        MsgType::Hello => Message::Hello {
+            fingerprint: r.str16(MAX_TEXT)?,
+            layout: read_layout(&mut r)?,
+            nonce: r.array()?,
+        },
+        MsgType::Welcome => Message::Welcome {
+            fingerprint: r.str16(MAX_TEXT)?,
+            layout: read_layout(&mut r)?,
+            nonce: r.array()?,
+            mac: r.array()?,
+        },
+        MsgType::Auth => Message::Auth { mac: r.array()? },
+        MsgType::Accepted => Message::Accepted,
+        MsgType::Abort => Message::Abort,
+        MsgType::AbortAck => Message::AbortAck,
+        MsgType::Reject => {
+            let (c, text) = reason_text(&mut r)?;
+            let reason = RejectReason::from_code(c)
+                .ok_or_else(|| DecodeError::BadValue(format!("reject reason {c}")))?;
+            Message::Reject { reason, text }
+        }
+        MsgType::Failed => {
+            let (c, text) = reason_text(&mut r)?;
+            let reason = FailCode::from_code(c)
+                .ok_or_else(|| DecodeError::BadValue(format!("failure code {c}")))?;
+            Message::Failed { reason, text }
+        }
+        MsgType::Prefill => {
+            let n = r.u32()? as usize;
+            if n == 0 || n > MAX_TOKENS {
+                return Err(DecodeError::BadLength(format!("{n} prompt tokens")));
+            }
+            r.check_count(n, 4)?;
+            let tokens = (0..n).map(|_| r.u32()).collect::<Result<Vec<_>, _>>()?;
+            let temperature = r.f32()?;
+            let top_k = r.u32()?;
+            let top_p = r.f32()?;
+            if !temperature.is_finite() || !top_p.is_finite() {
+                return Err(DecodeError::BadValue("non-finite sampling parameter".into()));
+            }
+            let has_seed = r.flag()?;
+            let seed = r.u64()?;
+            let has_lp = r.flag()?;
+            let lp = r.u32()?;
+            Message::Prefill(PrefillRequest {
+                tokens,
+                temperature,
+                top_k,
+                top_p,
+                seed: has_seed.then_some(seed),
+                logprobs: has_lp.then_some(lp),
+            })
+        }
+        MsgType::KvChunk => {
+            let index = r.u32()?;
+            let count = r.u32()?;
+            let first_layer = r.u16()?;
+            let end_layer = r.u16()?;
+            let offset = r.u64()?;
+            let total = r.u64()?;
+            let crc32 = r.u32()?;
+            let n = r.u32()? as usize;
+            let data = r.take(n)?.to_vec();
+            if index >= count || first_layer > end_layer {
+                return Err(DecodeError::BadValue(format!(
+                    "chunk {index} of {count}, layers {first_layer}..{end_layer}"
+                )));
+            }
+            if offset.checked_add(n as u64).is_none_or(|end| end > total) {
+                return Err(DecodeError::BadLength(format!(
+                    "chunk bytes {offset}+{n} beyond the total {total}"
+                )));
+            }
+            Message::KvChunk(KvChunk {
+                index,
+                count,
+                first_layer,
+                end_layer,
+                offset,
+                total,
+                crc32,
+                data,
+            })
+        }
+        MsgType::Done => {
+            let first_token = r.u32()?;
+            let prompt_tokens = r.u32()?;
+            let logprob = if r.flag()? {
+                let logprob = r.f32()?;
+                let k = r.u8()? as usize;
+                r.check_count(k, 8)?;
+                let top = (0..k)
+                    .map(|_| Ok((r.u32()?, r.f32()?)))
+                    .collect::<Result<Vec<_>, DecodeError>>()?;
+                Some(WireLogprob { logprob, top })
+            } else {
+                None
+            };
+            Message::Done {
+                first_token,
+                prompt_tokens,
+                logprob,
+            }
+        }
+        MsgType::Ping => Message::Ping {
+            nonce: r.u64()?,
+            timestamp_us: r.u64()?,
+        },
+        MsgType::Pong => Message::Pong {
+            nonce: r.u64()?,
+            timestamp_us: r.u64()?,
+        },
+    };
+    r.finish()?;
+    Ok(m)
+}

@@ -1,0 +1,80 @@
+//! The KV transfer protocol between prefill and decode processes: pure message codec,
+//! handshake authentication, room state machine and KV chunk validation. No I/O here; the
+//! ZeroMQ transport and the roles live in `crate::pd`.
+//!
+//! # Framing
+//!
+//! Every message is a ZeroMQ multipart message of exactly two frames (a ROUTER socket adds
+//! the peer's routing id in front; the transport strips it before decoding).
+//!
+//! Frame 0, the fixed header (36 bytes, little endian). Magic, version and type sit at the
+//! same offsets in every protocol version, so a peer of another version is recognised and
+//! refused with a reason instead of being misparsed:
+//!
+//! | offset | size | field                                                        |
+//! |--------|------|--------------------------------------------------------------|
+//! | 0      | 4    | magic `TKVP`                                                 |
+//! | 4      | 2    | u16 protocol version ([`PROTOCOL_VERSION`])                  |
+//! | 6      | 1    | u8 message type ([`MsgType`])                                |
+//! | 7      | 1    | u8 flags (reserved, 0; ignored by this version)              |
+//! | 8      | 8    | u64 sender process incarnation (random per process start)    |
+//! | 16     | 8    | u64 group incarnation (from the operator)                    |
+//! | 24     | 8    | u64 room id; 0 for messages that belong to no room            |
+//! | 32     | 4    | u32 payload length; must equal the length of frame 1          |
+//!
+//! Frame 1, the payload, per type (all integers little endian; `str16` is a u16 byte length
+//! then UTF-8; `[u8; 32]` is raw bytes):
+//!
+//! | type | name      | room | payload                                                   |
+//! |------|-----------|------|-----------------------------------------------------------|
+//! | 1    | HELLO     | 0    | fingerprint str16, layout (5 × u32: dtype, layers, KV heads, head dim, block size), nonce [u8; 32] |
+//! | 2    | WELCOME   | 0    | fingerprint str16, layout, nonce [u8; 32], mac [u8; 32]   |
+//! | 3    | AUTH      | 0    | mac [u8; 32]                                              |
+//! | 4    | ACCEPTED  | 0    | (empty)                                                   |
+//! | 5    | REJECT    | 0    | u8 reason code, text str16                                |
+//! | 6    | PREFILL   | ≠0   | u32 n, n × u32 token ids, f32 temperature, u32 top_k, f32 top_p, u8 has_seed, u64 seed, u8 has_logprobs, u32 logprobs |
+//! | 7    | KV_CHUNK  | ≠0   | u32 index, u32 count, u16 first layer, u16 end layer, u64 offset, u64 total, u32 crc32, u32 n, n bytes |
+//! | 8    | DONE      | ≠0   | u32 first token, u32 prompt tokens, u8 has_logprob, [f32 logprob, u8 k, k × (u32 token, f32 logprob)] |
+//! | 9    | FAILED    | ≠0   | u8 reason code, text str16                                |
+//! | 10   | ABORT     | ≠0   | (empty)                                                   |
+//! | 11   | ABORT_ACK | ≠0   | (empty)                                                   |
+//! | 12   | PING      | 0    | u64 nonce, u64 sender timestamp (µs)                      |
+//! | 13   | PONG      | 0    | u64 nonce, u64 timestamp echoed from the PING             |
+//!
+//! A payload must be consumed exactly: trailing bytes are an error. Every length is checked
+//! against the bytes actually present before anything is allocated, so decoding never
+//! panics and never allocates from an unchecked length.
+//!
+//! # Handshake (decode initiates, see [`auth`])
+//!
+//! HELLO(nonce_d) → WELCOME(nonce_p, mac_p) → AUTH(mac_d) → ACCEPTED, or REJECT(reason) at
+//! any step. `mac_x = HMAC-SHA256(group key, label_x ‖ nonce_d ‖ nonce_p ‖ decode
+//! incarnation ‖ prefill incarnation ‖ group incarnation)` with distinct labels per role,
+//! so neither MAC can be replayed as the other and the key never crosses the wire.
+
+pub mod auth;
+pub mod checksum;
+pub mod chunks;
+mod codec;
+pub mod message;
+pub mod room;
+
+#[cfg(test)]
+mod tests;
+
+pub use codec::DecodeError;
+pub use message::{
+    Envelope, FailCode, Header, KvChunk, KvLayout, Message, MsgType, PrefillRequest,
+    RejectReason, WireLogprob, decode, encode,
+};
+
+/// Wire protocol version; bumped on any incompatible change of a payload.
+pub const PROTOCOL_VERSION: u16 = 1;
+pub const MAGIC: &[u8; 4] = b"TKVP";
+pub const HEADER_LEN: usize = 36;
+/// Largest payload accepted (one KV chunk is at most [`chunks::MAX_CHUNK`]).
+pub const MAX_PAYLOAD: usize = 64 << 20;
+/// Most prompt tokens in one PREFILL.
+pub const MAX_TOKENS: usize = 1 << 20;
+/// Longest reason text or fingerprint.
+pub const MAX_TEXT: usize = 1024;

@@ -1,0 +1,263 @@
+//! `CpuModelRunner`: weights + paged KV cache + a kernel backend behind the
+//! `ModelRunner` contract.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+use tandem_kernels::{GgmlType, Kernels, RopeStyle, RopeTable};
+
+use super::config::LlamaConfig;
+use super::forward::{Buffers, Forward, TokenSlot};
+use super::kv_cache::{KvCacheConfig, PagedKvCache};
+use super::weights::Weights;
+use crate::engine_api::{KvUsage, ModelInfo, ModelRunner, SeqId, StepInput};
+use crate::error::{Error, Result};
+use crate::gguf::Gguf;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RunnerConfig {
+    pub kv: KvCacheConfig,
+}
+
+impl RunnerConfig {
+    /// A KV pool able to hold `tokens` tokens in `block_tokens`-token blocks.
+    pub fn with_kv_tokens(tokens: usize, dtype: GgmlType) -> Self {
+        let block_tokens = KvCacheConfig::default().block_tokens;
+        Self {
+            kv: KvCacheConfig {
+                block_tokens,
+                n_blocks: tokens.div_ceil(block_tokens).max(1),
+                dtype,
+            },
+        }
+    }
+}
+
+/// Runs a Llama-family GGUF model on a CPU kernel backend (the optimized one by default;
+/// the scalar reference for tests).
+pub struct CpuModelRunner {
+    cfg: LlamaConfig,
+    weights: Weights,
+    rope: RopeTable,
+    kernels: Arc<dyn Kernels>,
+    pub(super) kv: PagedKvCache,
+    info: ModelInfo,
+    buffers: Buffers,
+}
+
+impl std::fmt::Debug for CpuModelRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuModelRunner")
+            .field("info", &self.info)
+            .field("kernels", &self.kernels.name())
+            .finish()
+    }
+}
+
+impl CpuModelRunner {
+    /// Load a GGUF file with the best kernel backend of this machine.
+    pub fn load(path: &Path, rc: RunnerConfig) -> Result<Self> {
+        let g = Gguf::open(path)?;
+        let fallback = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+        let mut r = Self::new(Arc::new(g), rc, tandem_kernels::best_backend())?;
+        if r.info.name.is_empty() {
+            r.info.name = fallback.unwrap_or_default();
+        }
+        Ok(r)
+    }
+
+    pub fn new(g: Arc<Gguf>, rc: RunnerConfig, kernels: Arc<dyn Kernels>) -> Result<Self> {
+        let cfg = LlamaConfig::from_gguf(&g)?;
+        let weights = Weights::load(Arc::clone(&g), &cfg)?;
+        // The llama architecture uses the interleaved-pairs ("normal") rope: the GGUF
+        // converter permutes the Q/K rows of HF checkpoints so that this is correct.
+        let rope = RopeTable::new(
+            RopeStyle::Normal,
+            cfg.rope_dim,
+            cfg.rope_base,
+            cfg.context_length,
+        )?;
+        let kv = PagedKvCache::new(rc.kv, cfg.n_layers, cfg.kv_dim())?;
+        let info = ModelInfo {
+            name: cfg.name.clone(),
+            vocab_size: cfg.vocab_size,
+            context_length: cfg.context_length,
+            n_layers: cfg.n_layers,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            kv_block_size: rc.kv.block_tokens,
+            fingerprint: fingerprint(&g),
+        };
+        Ok(Self {
+            cfg,
+            weights,
+            rope,
+            kernels,
+            kv,
+            info,
+            buffers: Buffers::default(),
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    pub fn kernels_name(&self) -> &'static str {
+        self.kernels.name()
+    }
+
+    pub fn kv_config(&self) -> &KvCacheConfig {
+        self.kv.config()
+    }
+
+    fn validate(&self, batch: &[StepInput]) -> Result<()> {
+        let mut seen = HashSet::new();
+        for b in batch {
+            if !seen.insert(b.seq) {
+                return Err(Error::InvalidInput(format!(
+                    "{:?} appears twice in one step",
+                    b.seq
+                )));
+            }
+            if b.tokens.is_empty() {
+                return Err(Error::InvalidInput(format!(
+                    "{:?} has no tokens in this step",
+                    b.seq
+                )));
+            }
+            if let Some(t) = b
+                .tokens
+                .iter()
+                .find(|t| **t as usize >= self.cfg.vocab_size)
+            {
+                return Err(Error::InvalidInput(format!(
+                    "token id {t} out of range (vocabulary of {})",
+                    self.cfg.vocab_size
+                )));
+            }
+            let total = self.kv.len(b.seq) + b.tokens.len();
+            if total > self.cfg.context_length {
+                return Err(Error::InvalidInput(format!(
+                    "{:?} would hold {total} tokens, beyond the context length {}",
+                    b.seq, self.cfg.context_length
+                )));
+            }
+        }
+        // Reserve for everyone or no one.
+        let needed: usize = batch
+            .iter()
+            .map(|b| {
+                self.kv
+                    .blocks_needed(b.seq, self.kv.len(b.seq) + b.tokens.len())
+            })
+            .sum();
+        if needed > self.kv.free_blocks() {
+            return Err(Error::KvCacheFull {
+                needed,
+                free: self.kv.free_blocks(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// SHA-256 over everything before the tensor data (architecture, hyperparameters,
+/// vocabulary, tensor names, types, shapes and offsets) plus a 4 KiB sample from the
+/// start, middle and end of every tensor: distinguishes different weights without
+/// hashing the whole file at every start.
+fn fingerprint(g: &Gguf) -> String {
+    let mut h = Sha256::new();
+    h.update(&g.bytes()[..g.header().data_offset.min(g.bytes().len())]);
+    for t in g.tensors() {
+        let d = g.tensor_data(t);
+        const S: usize = 4096;
+        for start in [0, d.len().saturating_sub(S) / 2, d.len().saturating_sub(S)] {
+            h.update(&d[start..(start + S).min(d.len())]);
+        }
+    }
+    hex::encode(h.finalize())
+}
+
+impl ModelRunner for CpuModelRunner {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<()> {
+        if total_tokens > self.cfg.context_length {
+            return Err(Error::InvalidInput(format!(
+                "{total_tokens} tokens exceed the context length {}",
+                self.cfg.context_length
+            )));
+        }
+        self.kv.reserve(seq, total_tokens)
+    }
+
+    fn step(&mut self, batch: &[StepInput]) -> Result<Vec<Option<Vec<f32>>>> {
+        self.validate(batch)?;
+        for b in batch {
+            let total = self.kv.len(b.seq) + b.tokens.len();
+            self.kv.reserve(b.seq, total)?;
+        }
+        let mut slots = Vec::new();
+        let mut want = Vec::new();
+        for b in batch {
+            let start = self.kv.len(b.seq);
+            for (j, &token) in b.tokens.iter().enumerate() {
+                slots.push(TokenSlot {
+                    seq: b.seq,
+                    pos: start + j,
+                    token,
+                });
+            }
+            if b.want_logits {
+                want.push(slots.len() - 1);
+            }
+        }
+        let fwd = Forward {
+            cfg: &self.cfg,
+            w: &self.weights,
+            rope: &self.rope,
+            k: self.kernels.as_ref(),
+        };
+        let hidden = fwd.run(&slots, &mut self.kv, &want, &mut self.buffers)?;
+        let logits = fwd.logits(&hidden)?;
+        for b in batch {
+            let len = self.kv.len(b.seq) + b.tokens.len();
+            self.kv.set_len(b.seq, len);
+        }
+        let vocab = self.cfg.vocab_size;
+        let mut rows = logits.chunks_exact(vocab);
+        Ok(batch
+            .iter()
+            .map(|b| {
+                b.want_logits
+                    .then(|| rows.next().map(<[f32]>::to_vec).unwrap_or_default())
+            })
+            .collect())
+    }
+
+    fn seq_len(&self, seq: SeqId) -> usize {
+        self.kv.len(seq)
+    }
+
+    fn free(&mut self, seq: SeqId) {
+        self.kv.release(seq);
+    }
+
+    fn kv_usage(&self) -> KvUsage {
+        self.kv.usage()
+    }
+
+    fn export_kv(&self, seq: SeqId) -> Result<Vec<u8>> {
+        super::kv_transfer::export(&self.kv, &self.cfg, seq)
+    }
+
+    fn import_kv(&mut self, seq: SeqId, payload: &[u8]) -> Result<()> {
+        let cfg = self.cfg.clone();
+        super::kv_transfer::import(&mut self.kv, &cfg, seq, payload)
+    }
+}

@@ -1,0 +1,264 @@
+//! Continuous batching. One dedicated engine thread owns the `ModelRunner`; async HTTP
+//! handlers submit requests through a bounded channel and receive a per-request event
+//! stream. Between forward steps requests join (when KV blocks allow) and leave (finished,
+//! failed, or their receiver dropped); prompts are prefilled in chunks so a long prompt
+//! never stalls the running decodes for more than one chunk.
+
+mod engine;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc as tmpsc;
+
+use crate::engine_api::ModelRunner;
+use crate::metrics::Metrics;
+use crate::sampling::{SamplingParams, TokenLogprob};
+use crate::tokenizer::TokenText;
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Most sequences in the running batch.
+    pub max_batch: usize,
+    /// Most prompt tokens prefilled per step, over all prefilling sequences.
+    pub chunk_size: usize,
+    /// Most requests waiting for admission; more are refused at once.
+    pub max_waiting: usize,
+    /// How long a request may wait for KV memory before it fails.
+    pub queue_timeout: Duration,
+    /// Heartbeat period while idle.
+    pub idle_tick: Duration,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 16,
+            chunk_size: 256,
+            max_waiting: 256,
+            queue_timeout: Duration::from_secs(30),
+            idle_tick: Duration::from_millis(200),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    /// Tokens that end generation (EOS and friends); they are not part of the output text.
+    pub stop_token_ids: Vec<u32>,
+    /// KV transfer role of this request (PD serving); `None` for colocated serving.
+    pub transfer: Transfer,
+}
+
+/// How a request's KV cache relates to another process.
+#[derive(Debug, Clone, Default)]
+pub enum Transfer {
+    #[default]
+    None,
+    /// Prefill role: after the last sampled token, export the sequence's KV
+    /// (`GenEvent::KvExported`) before it is freed.
+    Export,
+    /// Decode role: the prompt's KV was computed elsewhere; import it and continue from
+    /// the first token the prefill sampled.
+    Import(Arc<ImportedKv>),
+}
+
+#[derive(Debug)]
+pub struct ImportedKv {
+    /// A `model::kv_transfer` buffer holding exactly the prompt's tokens.
+    pub payload: Vec<u8>,
+    pub first_token: u32,
+    pub first_logprob: Option<TokenLogprob>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop string.
+    Stop,
+    /// max_tokens or the context length reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// Why a generation failed; `label()` is the metrics reason label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailReason {
+    QueueFull,
+    QueueTimeout,
+    /// Can never fit in the KV cache or the context.
+    TooLarge,
+    InvalidRequest,
+    StepFailed,
+    EngineStopped,
+    /// PD: the KV transfer (room) failed; the message carries the protocol reason.
+    KvTransfer,
+}
+
+impl FailReason {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::QueueFull => "queue_full",
+            Self::QueueTimeout => "queue_timeout",
+            Self::TooLarge => "too_large",
+            Self::InvalidRequest => "invalid_request",
+            Self::StepFailed => "step_failed",
+            Self::EngineStopped => "engine_stopped",
+            Self::KvTransfer => "kv_transfer",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenEvent {
+    /// One sampled token; `text` is what became safe to show (may be empty while UTF-8
+    /// bytes or a possible stop string are held back).
+    Token {
+        id: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    /// Final event of a successful generation; `text` is the held-back remainder.
+    Done {
+        reason: FinishReason,
+        text: String,
+        usage: Usage,
+    },
+    Failed {
+        reason: FailReason,
+        message: String,
+    },
+    /// `Transfer::Export` only: the sequence's KV, sent just before `Done`.
+    KvExported(Vec<u8>),
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SubmitError {
+    #[error("server overloaded: the request queue is full")]
+    QueueFull,
+    #[error("the engine thread is not running")]
+    EngineStopped,
+}
+
+/// Liveness of the engine thread, read by `/ready`.
+#[derive(Debug)]
+pub struct EngineHealth {
+    start: Instant,
+    last_beat_ms: AtomicU64,
+    stopped: AtomicBool,
+}
+
+impl EngineHealth {
+    fn new() -> Self {
+        Self {
+            start: Instant::now(),
+            last_beat_ms: AtomicU64::new(0),
+            stopped: AtomicBool::new(false),
+        }
+    }
+    fn beat(&self) {
+        let ms = self.start.elapsed().as_millis() as u64;
+        self.last_beat_ms.store(ms, Ordering::Relaxed);
+    }
+    /// Time since the engine loop last went round.
+    pub fn heartbeat_age(&self) -> Duration {
+        let now = self.start.elapsed().as_millis() as u64;
+        Duration::from_millis(now.saturating_sub(self.last_beat_ms.load(Ordering::Relaxed)))
+    }
+    pub fn stopped(&self) -> bool {
+        self.stopped.load(Ordering::Relaxed)
+    }
+}
+
+pub(crate) struct Submission {
+    req: GenerateRequest,
+    out: tmpsc::Sender<GenEvent>,
+    arrived: Instant,
+}
+
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::SyncSender<Submission>,
+    health: Arc<EngineHealth>,
+    metrics: Arc<Metrics>,
+}
+
+impl EngineHandle {
+    /// Queue a request. Never blocks: a full channel is reported as overload.
+    pub fn submit(&self, req: GenerateRequest) -> Result<tmpsc::Receiver<GenEvent>, SubmitError> {
+        // Room for every token event plus the final one, so the engine's sends never fail
+        // for lack of space however slowly the client reads.
+        let (out, rx) = tmpsc::channel(req.max_tokens + 3);
+        let sub = Submission {
+            req,
+            out,
+            arrived: Instant::now(),
+        };
+        let err = match self.tx.try_send(sub) {
+            Ok(()) => return Ok(rx),
+            Err(mpsc::TrySendError::Full(_)) => SubmitError::QueueFull,
+            Err(mpsc::TrySendError::Disconnected(_)) => SubmitError::EngineStopped,
+        };
+        let reason = match err {
+            SubmitError::QueueFull => FailReason::QueueFull,
+            SubmitError::EngineStopped => FailReason::EngineStopped,
+        };
+        tracing::warn!(reason = reason.label(), "request refused: {err}");
+        self.metrics.fail(reason.label());
+        Err(err)
+    }
+
+    pub fn health(&self) -> &Arc<EngineHealth> {
+        &self.health
+    }
+}
+
+/// Start the engine thread. It exits once every handle is dropped and no work is left.
+pub fn spawn<R: ModelRunner + 'static>(
+    runner: R,
+    text: Arc<dyn TokenText>,
+    cfg: SchedulerConfig,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<(EngineHandle, JoinHandle<()>)> {
+    let (tx, rx) = mpsc::sync_channel(cfg.max_waiting.max(1));
+    let health = Arc::new(EngineHealth::new());
+    health.beat();
+    let h = health.clone();
+    let m = metrics.clone();
+    let join = std::thread::Builder::new()
+        .name("tandem-engine".into())
+        .spawn(move || {
+            engine::Engine::new(runner, text, cfg, m, rx, h.clone()).run();
+            h.stopped.store(true, Ordering::Relaxed);
+        })?;
+    Ok((
+        EngineHandle {
+            tx,
+            health,
+            metrics,
+        },
+        join,
+    ))
+}

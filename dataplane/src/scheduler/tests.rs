@@ -1,0 +1,326 @@
+//! Scheduler tests against the deterministic toy runner of `test_support::fake_runner`.
+
+use super::*;
+use crate::engine_api::SeqId;
+use crate::test_support::fake_runner::{FakeRunner, VOCAB, fake, letters};
+
+fn start(runner: FakeRunner, cfg: SchedulerConfig) -> (EngineHandle, Arc<Metrics>) {
+    let metrics = Arc::new(Metrics::new());
+    let (h, _join) = spawn(runner, letters(), cfg, metrics.clone()).unwrap();
+    (h, metrics)
+}
+
+fn req(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        transfer: Default::default(),
+        prompt,
+        max_tokens,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        stop: vec![],
+        stop_token_ids: vec![],
+    }
+}
+
+#[derive(Debug, Default)]
+struct Collected {
+    ids: Vec<u32>,
+    text: String,
+    done: Option<(FinishReason, Usage)>,
+    failed: Option<(FailReason, String)>,
+}
+
+fn collect(mut rx: tmpsc::Receiver<GenEvent>) -> Collected {
+    let mut c = Collected::default();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            GenEvent::Token { id, text, .. } => {
+                c.ids.push(id);
+                c.text.push_str(&text);
+            }
+            GenEvent::Done {
+                reason,
+                text,
+                usage,
+            } => {
+                c.text.push_str(&text);
+                c.done = Some((reason, usage));
+            }
+            GenEvent::Failed { reason, message } => c.failed = Some((reason, message)),
+            GenEvent::KvExported(_) => panic!("no request here asks for a KV export"),
+        }
+    }
+    c
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    (0..6u32)
+        .map(|i| {
+            (0..(3 + 5 * i))
+                .map(|j| (i * 7 + j) % VOCAB as u32)
+                .collect()
+        })
+        .collect()
+}
+
+fn counter(metrics: &Metrics, reason: &str) -> u64 {
+    metrics
+        .failures
+        .get_or_create(&crate::metrics::ReasonLabels {
+            reason: reason.into(),
+        })
+        .get()
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn batched_outputs_equal_single_runs() {
+    let cfg = SchedulerConfig {
+        chunk_size: 8,
+        ..Default::default()
+    };
+    let mut singles = Vec::new();
+    for p in prompts() {
+        let (r, _) = fake(1000);
+        let (h, _) = start(r, cfg.clone());
+        singles.push(collect(h.submit(req(p, 12)).unwrap()));
+    }
+    let (r, st) = fake(1000);
+    let (h, _) = start(r, cfg);
+    let rxs: Vec<_> = prompts()
+        .into_iter()
+        .map(|p| h.submit(req(p, 12)).unwrap())
+        .collect();
+    let batched: Vec<Collected> = rxs.into_iter().map(collect).collect();
+    for (i, (s, b)) in singles.iter().zip(&batched).enumerate() {
+        assert_eq!(s.ids.len(), 12, "prompt {i}");
+        assert_eq!(s.ids, b.ids, "prompt {i}");
+        assert_eq!(s.text, b.text);
+        assert_eq!(
+            b.done.unwrap(),
+            (
+                FinishReason::Length,
+                Usage {
+                    prompt_tokens: prompts()[i].len(),
+                    completion_tokens: 12
+                }
+            )
+        );
+    }
+    // Different prompts really produced different outputs, and steps really were batched.
+    assert_ne!(batched[0].ids, batched[1].ids);
+    let st = st.lock().unwrap();
+    assert!(
+        st.log.iter().any(|s| s.len() >= 4),
+        "no step batched 4+ sequences"
+    );
+    assert!(st.seqs.is_empty(), "finished sequences must be freed");
+}
+
+#[test]
+fn long_prompt_is_prefilled_in_chunks_between_decodes() {
+    let (r, st) = fake(1000);
+    // The short request must still be decoding while the long one prefills: make it long
+    // enough in steps and time (500 steps of at least 1 ms).
+    st.lock().unwrap().step_delay = Duration::from_millis(1);
+    let (h, _) = start(
+        r,
+        SchedulerConfig {
+            chunk_size: 4,
+            ..Default::default()
+        },
+    );
+    let mut short = h.submit(req(vec![5, 6], 500)).unwrap();
+    // Wait until the short request decodes before the long one arrives.
+    assert!(matches!(
+        short.blocking_recv(),
+        Some(GenEvent::Token { .. })
+    ));
+    let long = h
+        .submit(req((0..22).map(|i| i % 30 + 2).collect(), 3))
+        .unwrap();
+    let long = collect(long);
+    assert_eq!(long.ids.len(), 3);
+    drop(short);
+    let st = st.lock().unwrap();
+    let long_seq = SeqId(2);
+    let prefill_steps: Vec<&Vec<(SeqId, usize, bool)>> = st
+        .log
+        .iter()
+        .filter(|s| s.iter().any(|e| e.0 == long_seq && e.1 > 1))
+        .collect();
+    // 22 tokens in chunks of at most 4: 6 steps, only the last one wants logits.
+    assert_eq!(prefill_steps.len(), 6);
+    let chunks: Vec<(usize, bool)> = prefill_steps
+        .iter()
+        .map(|s| {
+            s.iter()
+                .find(|e| e.0 == long_seq)
+                .map(|e| (e.1, e.2))
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        chunks,
+        vec![
+            (4, false),
+            (4, false),
+            (4, false),
+            (4, false),
+            (4, false),
+            (2, true)
+        ]
+    );
+    // The running decode advanced in every one of those steps: it was not starved.
+    for s in &prefill_steps {
+        assert!(
+            s.contains(&(SeqId(1), 1, true)),
+            "decode missing from step {s:?}"
+        );
+    }
+}
+
+#[test]
+fn client_disconnect_aborts_and_frees_blocks() {
+    let (r, st) = fake(1000);
+    st.lock().unwrap().step_delay = Duration::from_millis(2);
+    let (h, metrics) = start(r, SchedulerConfig::default());
+    let mut rx = h.submit(req(vec![3, 4, 5], 100)).unwrap();
+    assert!(matches!(rx.blocking_recv(), Some(GenEvent::Token { .. })));
+    assert!(st.lock().unwrap().used() > 0);
+    drop(rx);
+    wait_until("blocks freed", || st.lock().unwrap().used() == 0);
+    wait_until("abort counted", || {
+        counter(&metrics, "client_disconnected") == 1
+    });
+    // It stopped early: far fewer than 100 steps ran.
+    assert!(st.lock().unwrap().log.len() < 50);
+}
+
+#[test]
+fn kv_full_waits_for_blocks_then_runs() {
+    // 10 blocks; each request needs ceil((3 + 25) / 4) = 7 blocks, so only one fits.
+    let (r, st) = fake(10);
+    let (h, _) = start(r, SchedulerConfig::default());
+    let a = h.submit(req(vec![2, 3, 4], 25)).unwrap();
+    let b = h.submit(req(vec![5, 6, 7], 25)).unwrap();
+    let (a, b) = (collect(a), collect(b));
+    assert_eq!((a.ids.len(), b.ids.len()), (25, 25));
+    let st = st.lock().unwrap();
+    // Never both in one step.
+    assert!(st.log.iter().all(|s| s.len() == 1));
+}
+
+#[test]
+fn kv_full_wait_times_out_with_clear_error() {
+    let (r, st) = fake(10);
+    st.lock().unwrap().step_delay = Duration::from_millis(5);
+    let cfg = SchedulerConfig {
+        queue_timeout: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let (h, metrics) = start(r, cfg);
+    let a = h.submit(req(vec![2, 3, 4], 25)).unwrap();
+    let started = Instant::now();
+    let b = collect(h.submit(req(vec![5, 6, 7], 25)).unwrap());
+    let waited = started.elapsed();
+    let (reason, msg) = b.failed.expect("second request must fail");
+    assert_eq!(reason, FailReason::QueueTimeout);
+    assert!(msg.contains("waiting for KV cache memory"), "{msg}");
+    assert!(waited >= Duration::from_millis(100), "{waited:?}");
+    assert!(b.ids.is_empty());
+    assert_eq!(counter(&metrics, "queue_timeout"), 1);
+    assert_eq!(collect(a).ids.len(), 25);
+}
+
+#[test]
+fn never_fitting_and_overflowing_queue_fail_at_once() {
+    let (r, st) = fake(4);
+    st.lock().unwrap().step_delay = Duration::from_millis(5);
+    let cfg = SchedulerConfig {
+        max_waiting: 1,
+        ..Default::default()
+    };
+    let (h, metrics) = start(r, cfg);
+    let big = collect(h.submit(req(vec![2; 10], 20)).unwrap());
+    assert_eq!(big.failed.unwrap().0, FailReason::TooLarge);
+    let mut a = h.submit(req(vec![2, 3], 10)).unwrap(); // takes 3 of 4 blocks
+    assert!(matches!(a.blocking_recv(), Some(GenEvent::Token { .. })));
+    let b = h.submit(req(vec![4, 5], 10)).unwrap(); // waits for blocks
+    // The third is refused, either by the bounded channel or by the waiting-queue limit.
+    match h.submit(req(vec![6, 7], 10)) {
+        Err(e) => assert_eq!(e, SubmitError::QueueFull),
+        Ok(c) => assert_eq!(collect(c).failed.map(|f| f.0), Some(FailReason::QueueFull)),
+    }
+    assert_eq!(collect(a).ids.len(), 9);
+    assert_eq!(collect(b).ids.len(), 10);
+    assert_eq!(counter(&metrics, "too_large"), 1);
+    assert_eq!(counter(&metrics, "queue_full"), 1);
+}
+
+#[test]
+fn stop_tokens_and_stop_strings_end_generation() {
+    let (r, _) = fake(1000);
+    let (h, _) = start(r, SchedulerConfig::default());
+    let free_run = collect(h.submit(req(vec![9, 8, 7], 20)).unwrap());
+    assert_eq!(free_run.ids.len(), 20);
+    // EOS: stop at the first occurrence of the 5th generated token, without its text.
+    let eos = free_run.ids[4];
+    let first = free_run.ids.iter().position(|&t| t == eos).unwrap();
+    let mut r = req(vec![9, 8, 7], 20);
+    r.stop_token_ids = vec![eos];
+    let c = collect(h.submit(r).unwrap());
+    assert_eq!(c.done.unwrap().0, FinishReason::Stop);
+    assert_eq!(c.ids, free_run.ids[..first]);
+    assert_eq!(c.text, free_run.text[..first]);
+    // Stop string spanning two tokens (letters 6 and 7 of the free run).
+    let stop = free_run.text[6..8].to_owned();
+    let cut = free_run.text.find(&stop).unwrap();
+    let mut r = req(vec![9, 8, 7], 20);
+    r.stop = vec![stop];
+    let c = collect(h.submit(r).unwrap());
+    assert_eq!(c.done.unwrap().0, FinishReason::Stop);
+    assert_eq!(c.text, free_run.text[..cut]);
+}
+
+#[test]
+fn runner_panic_fails_its_batch_and_the_engine_keeps_serving() {
+    let (r, st) = fake(1000);
+    st.lock().unwrap().panic_on_token = Some(33);
+    let (h, metrics) = start(r, SchedulerConfig::default());
+    let bad = collect(h.submit(req(vec![33, 2], 5)).unwrap());
+    let (reason, msg) = bad.failed.unwrap();
+    assert_eq!(reason, FailReason::StepFailed);
+    assert!(msg.contains("toy runner told to panic"), "{msg}");
+    assert_eq!(counter(&metrics, "step_failed"), 1);
+    let good = collect(h.submit(req(vec![2, 3], 5)).unwrap());
+    assert_eq!(good.ids.len(), 5);
+    assert!(st.lock().unwrap_or_else(|e| e.into_inner()).seqs.is_empty());
+    assert!(h.health().heartbeat_age() < Duration::from_secs(1));
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_through_the_engine() {
+    let (r, _) = fake(1000);
+    let (h, _) = start(r, SchedulerConfig::default());
+    let run = |seed| {
+        let mut r = req(vec![4, 4, 4], 16);
+        r.sampling = SamplingParams {
+            temperature: 1.5,
+            seed: Some(seed),
+            ..Default::default()
+        };
+        collect(h.submit(r).unwrap()).ids
+    };
+    assert_eq!(run(1), run(1));
+    assert_ne!(run(1), run(2));
+}

@@ -1,0 +1,289 @@
+//! `POST /v1/chat/completions` and `POST /v1/completions`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::Frame;
+use serde_json::Value;
+use tokio::sync::mpsc::Receiver;
+
+use super::api_error::ApiError;
+use super::output::{Kind, Shape, logprobs_json};
+use super::params::{self, Common, Prompt};
+use super::{AppState, Body, json_response};
+use crate::scheduler::{GenEvent, GenerateRequest};
+
+type R<T> = std::result::Result<T, ApiError>;
+
+pub async fn chat(state: Arc<AppState>, body: Bytes) -> R<http::Response<Body>> {
+    let o = params::parse_object(&body)?;
+    params::check_model(&o, &state.model_name)?;
+    let messages = params::messages(&o)?;
+    let mut common = params::common(&o, &["max_tokens", "max_completion_tokens"])?;
+    if params::opt_bool(&o, "logprobs")?.unwrap_or(false) {
+        let n = params::opt_int(&o, "top_logprobs", 0)?.unwrap_or(0);
+        if n > 20 {
+            return Err(ApiError::invalid(
+                Some("top_logprobs"),
+                "'top_logprobs' must be at most 20",
+            ));
+        }
+        common.sampling.logprobs = Some(n as usize);
+    }
+    let chat = state.chat.as_ref().ok_or_else(|| {
+        ApiError::invalid(None, "this model has no chat template; use /v1/completions")
+    })?;
+    let text = chat
+        .render(&messages, true)
+        .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+    // The template writes the special tokens itself (e.g. <|im_start|>), so they are parsed;
+    // BOS is added only when the model asks for it and the template did not write it.
+    let mut ids = state.tokenizer.encode(&text, false, true);
+    if let Some(bos) = state.tokenizer.bos_id().filter(|_| state.add_bos)
+        && ids.first() != Some(&bos)
+    {
+        ids.insert(0, bos);
+    }
+    generate(state, Kind::Chat, ids, common).await
+}
+
+pub async fn completions(state: Arc<AppState>, body: Bytes) -> R<http::Response<Body>> {
+    let o = params::parse_object(&body)?;
+    params::check_model(&o, &state.model_name)?;
+    let prompt = params::prompt(&o, state.tokenizer.vocab_size())?;
+    let mut common = params::common(&o, &["max_tokens"])?;
+    if let Some(n) = params::opt_int(&o, "logprobs", 0)? {
+        if n > 20 {
+            return Err(ApiError::invalid(
+                Some("logprobs"),
+                "'logprobs' must be at most 20",
+            ));
+        }
+        common.sampling.logprobs = Some(n as usize);
+    }
+    if params::opt_bool(&o, "echo")?.unwrap_or(false) {
+        return Err(ApiError::invalid(Some("echo"), "'echo' is not supported"));
+    }
+    let ids = match prompt {
+        Prompt::Text(t) => state.tokenizer.encode(&t, true, true),
+        Prompt::Tokens(ids) => ids,
+    };
+    generate(state, Kind::Text, ids, common).await
+}
+
+async fn generate(
+    state: Arc<AppState>,
+    kind: Kind,
+    prompt: Vec<u32>,
+    c: Common,
+) -> R<http::Response<Body>> {
+    let ctx = state.context_length;
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(Some("prompt"), "the prompt is empty"));
+    }
+    if prompt.len() >= ctx {
+        return Err(ApiError::invalid(
+            Some("messages"),
+            format!(
+                "the prompt has {} tokens; the context length is {ctx}",
+                prompt.len()
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let room = ctx - prompt.len();
+    let max_tokens = match c.max_tokens {
+        Some(n) if n > room => {
+            return Err(ApiError::invalid(
+                Some("max_tokens"),
+                format!(
+                    "prompt ({} tokens) + max_tokens ({n}) exceeds the context length {ctx}",
+                    prompt.len()
+                ),
+            )
+            .with_code("context_length_exceeded"));
+        }
+        Some(n) => n,
+        None => state.default_max_tokens.min(room),
+    };
+    let req = GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling: c.sampling,
+        stop: c.stop,
+        stop_token_ids: state.tokenizer.end_of_generation().to_vec(),
+        transfer: Default::default(),
+    };
+    let mut rx = state.engine.submit(req).map_err(ApiError::from_submit)?;
+    // Wait for the first event before answering, so that failures before the first token
+    // (queue timeout, request too large) get a proper HTTP status even when streaming.
+    let first = rx.recv().await;
+    if let Some(GenEvent::Failed { reason, message }) = first {
+        return Err(ApiError::from_failure(reason, message));
+    }
+    let shape = Shape::new(kind, &state.model_name);
+    if c.stream {
+        let include_usage = c.include_usage;
+        Ok(sse_response(Sse {
+            state,
+            shape,
+            rx,
+            first,
+            include_usage,
+            role_sent: false,
+            done: false,
+            text_len: 0,
+        }))
+    } else {
+        whole(state, shape, rx, first).await
+    }
+}
+
+async fn whole(
+    state: Arc<AppState>,
+    shape: Shape,
+    mut rx: Receiver<GenEvent>,
+    first: Option<GenEvent>,
+) -> R<http::Response<Body>> {
+    let mut text = String::new();
+    let mut lps = Vec::new();
+    let mut ev = first;
+    loop {
+        match ev {
+            Some(GenEvent::Token {
+                text: t, logprob, ..
+            }) => {
+                text.push_str(&t);
+                lps.extend(logprob);
+            }
+            Some(GenEvent::Done {
+                reason,
+                text: t,
+                usage,
+            }) => {
+                text.push_str(&t);
+                let lp =
+                    (!lps.is_empty()).then(|| logprobs_json(shape.kind, &state.tokenizer, &lps, 0));
+                return Ok(json_response(
+                    http::StatusCode::OK,
+                    &shape.full(&text, lp, reason, usage),
+                ));
+            }
+            Some(GenEvent::Failed { reason, message }) => {
+                return Err(ApiError::from_failure(reason, message));
+            }
+            // Only prefill-role requests export KV; nothing to show here.
+            Some(GenEvent::KvExported(_)) => {}
+            None => {
+                return Err(ApiError::server(
+                    http::StatusCode::INTERNAL_SERVER_ERROR,
+                    "engine_stopped",
+                    "the engine ended the request without a result",
+                ));
+            }
+        }
+        ev = rx.recv().await;
+    }
+}
+
+/// State of one SSE response. Dropping it (client gone) drops the engine receiver, which
+/// the engine sees as an abort.
+struct Sse {
+    state: Arc<AppState>,
+    shape: Shape,
+    rx: Receiver<GenEvent>,
+    first: Option<GenEvent>,
+    /// `stream_options.include_usage`: one more chunk with empty `choices` and the usage,
+    /// as OpenAI sends it. (The finishing chunk always carries `usage` too.)
+    include_usage: bool,
+    role_sent: bool,
+    done: bool,
+    /// Bytes of text sent so far (completions' `text_offset`).
+    text_len: usize,
+}
+
+impl Sse {
+    /// SSE bytes for the next event; empty when it carried nothing to show.
+    fn render(&mut self, ev: Option<GenEvent>) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut push = |v: &Value| {
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(v.to_string().as_bytes());
+            out.extend_from_slice(b"\n\n");
+        };
+        let role = self.shape.kind == Kind::Chat && !self.role_sent;
+        match ev {
+            Some(GenEvent::Token { text, logprob, .. }) => {
+                if text.is_empty() && logprob.is_none() && !role {
+                    return out;
+                }
+                let lps: Vec<_> = logprob.into_iter().collect();
+                let lp = (!lps.is_empty()).then(|| {
+                    logprobs_json(self.shape.kind, &self.state.tokenizer, &lps, self.text_len)
+                });
+                self.text_len += text.len();
+                push(&self.shape.chunk(&text, role, lp, None, None));
+                self.role_sent = true;
+            }
+            Some(GenEvent::Done {
+                reason,
+                text,
+                usage,
+            }) => {
+                push(
+                    &self
+                        .shape
+                        .chunk(&text, role, None, Some(reason), Some(usage)),
+                );
+                if self.include_usage {
+                    push(&self.shape.usage_chunk(usage));
+                }
+                out.extend_from_slice(b"data: [DONE]\n\n");
+                self.done = true;
+            }
+            Some(GenEvent::KvExported(_)) => return out,
+            Some(GenEvent::Failed { reason, message }) => {
+                push(&ApiError::from_failure(reason, message).body());
+                out.extend_from_slice(b"data: [DONE]\n\n");
+                self.done = true;
+            }
+            None => {
+                let e = ApiError::server(
+                    http::StatusCode::INTERNAL_SERVER_ERROR,
+                    "engine_stopped",
+                    "the engine ended the request without a result",
+                );
+                push(&e.body());
+                out.extend_from_slice(b"data: [DONE]\n\n");
+                self.done = true;
+            }
+        }
+        out
+    }
+}
+
+fn sse_response(sse: Sse) -> http::Response<Body> {
+    let stream = futures::stream::unfold(sse, |mut s| async move {
+        loop {
+            if s.done {
+                return None;
+            }
+            let ev = match s.first.take() {
+                Some(e) => Some(e),
+                None => s.rx.recv().await,
+            };
+            let bytes = s.render(ev);
+            if !bytes.is_empty() {
+                return Some((Ok::<_, Infallible>(Frame::data(Bytes::from(bytes))), s));
+            }
+        }
+    });
+    http::Response::builder()
+        .status(http::StatusCode::OK)
+        .header(http::header::CONTENT_TYPE, "text/event-stream")
+        .header(http::header::CACHE_CONTROL, "no-cache")
+        .body(StreamBody::new(stream).boxed_unsync())
+        .unwrap_or_else(|_| http::Response::new(Full::new(Bytes::new()).boxed_unsync()))
+}

@@ -1,0 +1,431 @@
+//! In-process server tests over real TCP with the toy runner (the real model is exercised
+//! by `dataplane/tests/`).
+
+use super::*;
+use crate::scheduler::{self, SchedulerConfig};
+use crate::test_support::fake_runner::{FakeState, fake};
+use crate::test_support::http_client::{HttpResponse, request};
+use crate::tokenizer::{TokenText, TokenizerSpec, token_type};
+use std::sync::Mutex;
+
+const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// Byte-level vocabulary ordered so that ids 0..40 (the toy runner's vocabulary) are the
+/// printable bytes 'A'.., plus two control tokens.
+fn toy_tokenizer() -> Tokenizer {
+    let order: Vec<u8> = (0x41..=0xFFu8).chain(0..0x41).collect();
+    let bm_char = |b: u8| -> String {
+        // Same mapping as GPT-2: printable ASCII stands for itself.
+        let visible = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        if visible {
+            char::from(b).to_string()
+        } else {
+            let shifted: Vec<u8> = (0..=255u8)
+                .filter(|&x| !matches!(x, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF))
+                .collect();
+            let n = shifted.iter().position(|&x| x == b).unwrap() as u32;
+            char::from_u32(256 + n).unwrap().to_string()
+        }
+    };
+    let mut tokens: Vec<String> = order.iter().map(|&b| bm_char(b)).collect();
+    tokens.push("<|im_start|>".into());
+    tokens.push("<|im_end|>".into());
+    let mut types = vec![token_type::NORMAL; 256];
+    types.extend([token_type::CONTROL, token_type::CONTROL]);
+    Tokenizer::new(TokenizerSpec {
+        model: "gpt2".into(),
+        pre: "smollm".into(),
+        tokens,
+        token_types: types,
+        merges: vec![],
+        bos_id: Some(256),
+        eos_id: Some(257),
+        add_bos: false,
+    })
+    .unwrap()
+}
+
+struct TestServer {
+    addr: SocketAddr,
+    runner: Arc<Mutex<FakeState>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+fn start(blocks: usize) -> TestServer {
+    start_with(blocks, SchedulerConfig::default())
+}
+
+fn start_with(blocks: usize, cfg: SchedulerConfig) -> TestServer {
+    let (runner, st) = fake(blocks);
+    let tok = Arc::new(toy_tokenizer());
+    let metrics = Arc::new(Metrics::new());
+    let text: Arc<dyn TokenText> = tok.clone();
+    let (engine, _) = scheduler::spawn(runner, text, cfg, metrics.clone()).unwrap();
+    let state = Arc::new(AppState {
+        engine,
+        tokenizer: tok,
+        chat: Some(ChatTemplate::new(CHATML, "<|im_start|>", "<|im_end|>").unwrap()),
+        add_bos: false,
+        model_name: "toy".into(),
+        context_length: 1024,
+        default_max_tokens: 16,
+        metrics,
+        max_heartbeat_age: Duration::from_secs(5),
+        role: "both",
+        draining: AtomicBool::new(false),
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = rt.block_on(TcpListener::bind("127.0.0.1:0")).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        rt.block_on(serve(
+            listener,
+            state,
+            async { drop(rx.await) },
+            Duration::from_secs(5),
+        ));
+    });
+    TestServer {
+        addr,
+        runner: st,
+        stop: Some(tx),
+    }
+}
+
+fn post(s: &TestServer, path: &str, body: &str) -> HttpResponse {
+    request(s.addr, "POST", path, Some(body))
+}
+
+fn chat_body(extra: &str) -> String {
+    format!(r#"{{"model":"toy","messages":[{{"role":"user","content":"Hi there"}}]{extra}}}"#)
+}
+
+#[test]
+fn chat_completion_json_has_openai_shape() {
+    let s = start(1000);
+    let r = post(
+        &s,
+        "/v1/chat/completions",
+        &chat_body(r#","max_tokens":5,"temperature":0"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    let v = r.json();
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], "toy");
+    assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
+    let c = &v["choices"][0];
+    assert_eq!(c["message"]["role"], "assistant");
+    assert_eq!(
+        c["message"]["content"].as_str().unwrap().len(),
+        5,
+        "5 one-letter tokens"
+    );
+    assert_eq!(c["finish_reason"], "length");
+    // "<|im_start|>" "user\nHi there" "<|im_end|>" "\n" "<|im_start|>" "assistant\n", byte tokens.
+    let prompt_tokens = 1 + "user\nHi there".len() + 1 + 1 + 1 + "assistant\n".len();
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    assert_eq!(v["usage"]["total_tokens"], prompt_tokens + 5);
+    assert!(s.runner.lock().unwrap().seqs.is_empty());
+}
+
+#[test]
+fn chat_stream_matches_json_and_ends_with_done() {
+    let s = start(1000);
+    let whole = post(
+        &s,
+        "/v1/chat/completions",
+        &chat_body(r#","max_tokens":6,"temperature":0"#),
+    )
+    .json();
+    let r = post(
+        &s,
+        "/v1/chat/completions",
+        &chat_body(
+            r#","max_tokens":6,"temperature":0,"stream":true,"stream_options":{"include_usage":true}"#,
+        ),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let data = r.sse_data();
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<serde_json::Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let id = chunks[0]["id"].clone();
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["id"] == id && c["object"] == "chat.completion.chunk")
+    );
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(
+        content,
+        whole["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    let fin = &chunks[chunks.len() - 2];
+    assert_eq!(fin["choices"][0]["finish_reason"], "length");
+    assert_eq!(fin["usage"]["completion_tokens"], 6);
+    let usage_only = chunks.last().unwrap();
+    assert_eq!(usage_only["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(usage_only["usage"], whole["usage"]);
+}
+
+#[test]
+fn completions_with_token_prompt_stop_and_logprobs() {
+    let s = start(1000);
+    let base = r#"{"model":"toy","prompt":[5,6,7,8],"max_tokens":8,"temperature":0,"logprobs":2"#;
+    let v = post(&s, "/v1/completions", &format!("{base}}}")).json();
+    assert_eq!(v["object"], "text_completion");
+    let text = v["choices"][0]["text"].as_str().unwrap().to_owned();
+    assert_eq!(text.len(), 8);
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().concat_strings(), text);
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 8);
+    assert!(
+        lp["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|x| x.as_f64().unwrap() <= 0.0)
+    );
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+    assert_eq!(lp["text_offset"][3], 3);
+    // A stop string made of the 3rd and 4th generated letters cuts the text before it.
+    let stop = &text[2..4];
+    let v = post(
+        &s,
+        "/v1/completions",
+        &format!(r#"{base},"stop":["{stop}"]}}"#),
+    )
+    .json();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["choices"][0]["text"], text[..text.find(stop).unwrap()]);
+}
+
+trait ConcatStrings {
+    fn concat_strings(&self) -> String;
+}
+impl ConcatStrings for Vec<serde_json::Value> {
+    fn concat_strings(&self) -> String {
+        self.iter().map(|v| v.as_str().unwrap()).collect()
+    }
+}
+
+fn assert_400(r: &HttpResponse, param: Option<&str>, needle: &str) {
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e = &r.json()["error"];
+    assert_eq!(e["type"], "invalid_request_error");
+    assert!(e["message"].as_str().unwrap().contains(needle), "{e}");
+    assert_eq!(e["param"].as_str(), param, "{e}");
+    assert!(e.as_object().unwrap().contains_key("code"));
+}
+
+#[test]
+fn bad_requests_get_openai_errors() {
+    let s = start(1000);
+    let chat = "/v1/chat/completions";
+    assert_400(&post(&s, chat, "{not json"), None, "malformed JSON");
+    assert_400(&post(&s, chat, "[1]"), None, "JSON object");
+    assert_400(
+        &post(&s, chat, r#"{"model":"toy"}"#),
+        Some("messages"),
+        "required",
+    );
+    assert_400(
+        &post(&s, chat, r#"{"model":"toy","messages":[]}"#),
+        Some("messages"),
+        "at least one",
+    );
+    assert_400(
+        &post(&s, chat, r#"{"model":"toy","messages":"hi"}"#),
+        Some("messages"),
+        "must be an array",
+    );
+    assert_400(
+        &post(&s, chat, r#"{"model":"toy","messages":[{"content":"x"}]}"#),
+        Some("messages[0].role"),
+        "required",
+    );
+    assert_400(
+        &post(&s, chat, &chat_body(r#","temperature":"hot""#)),
+        Some("temperature"),
+        "must be a number",
+    );
+    assert_400(
+        &post(&s, chat, &chat_body(r#","max_tokens":0"#)),
+        Some("max_tokens"),
+        "at least 1",
+    );
+    assert_400(
+        &post(&s, chat, &chat_body(r#","max_tokens":-3"#)),
+        Some("max_tokens"),
+        "at least 1",
+    );
+    assert_400(
+        &post(&s, chat, &chat_body(r#","max_tokens":1.5"#)),
+        Some("max_tokens"),
+        "integer",
+    );
+    assert_400(&post(&s, chat, &chat_body(r#","n":2"#)), Some("n"), "n=1");
+    assert_400(
+        &post(&s, chat, &chat_body(r#","stream":"yes""#)),
+        Some("stream"),
+        "boolean",
+    );
+    let r = post(
+        &s,
+        chat,
+        r#"{"model":"gpt-4","messages":[{"role":"user","content":"x"}]}"#,
+    );
+    assert_400(&r, Some("model"), "does not exist");
+    assert_eq!(r.json()["error"]["code"], "model_not_found");
+    let long = "x".repeat(1100);
+    let r = post(
+        &s,
+        chat,
+        &format!(r#"{{"model":"toy","messages":[{{"role":"user","content":"{long}"}}]}}"#),
+    );
+    assert_400(&r, Some("messages"), "context length");
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    assert_400(
+        &post(&s, chat, &chat_body(r#","max_tokens":1020"#)),
+        Some("max_tokens"),
+        "exceeds the context",
+    );
+    let comp = "/v1/completions";
+    assert_400(
+        &post(&s, comp, r#"{"model":"toy"}"#),
+        Some("prompt"),
+        "required",
+    );
+    assert_400(
+        &post(&s, comp, r#"{"model":"toy","prompt":""}"#),
+        Some("prompt"),
+        "empty",
+    );
+    assert_400(
+        &post(&s, comp, r#"{"model":"toy","prompt":[1,99999]}"#),
+        Some("prompt"),
+        "out of range",
+    );
+    assert_400(
+        &post(&s, comp, r#"{"model":"toy","prompt":["a","b"]}"#),
+        Some("prompt"),
+        "batched",
+    );
+    assert_400(
+        &post(&s, comp, r#"{"model":"toy","prompt":{"x":1}}"#),
+        Some("prompt"),
+        "must be",
+    );
+    // Nothing leaked into the engine.
+    assert!(s.runner.lock().unwrap().seqs.is_empty() && s.runner.lock().unwrap().log.is_empty());
+}
+
+#[test]
+fn probes_models_metrics_and_unknown_paths() {
+    let s = start(1000);
+    let r = request(s.addr, "GET", "/health", None);
+    assert_eq!((r.status, r.json()["status"].as_str()), (200, Some("ok")));
+    let r = request(s.addr, "GET", "/ready", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["ready"], true);
+    assert_eq!(v["role"], "both");
+    assert_eq!(v["checks"][0]["name"], "engine_heartbeat");
+    assert_eq!(v["checks"][0]["ok"], true);
+    let m = request(s.addr, "GET", "/v1/models", None).json();
+    assert_eq!(m["data"][0]["id"], "toy");
+    assert_eq!(m["object"], "list");
+    let r = request(s.addr, "GET", "/nope", None);
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["code"], "not_found");
+    assert_eq!(
+        request(s.addr, "GET", "/v1/chat/completions", None).status,
+        405
+    );
+    assert_eq!(
+        post(&s, "/v1/chat/completions", &chat_body(r#","max_tokens":3"#)).status,
+        200
+    );
+    let r = request(s.addr, "GET", "/metrics", None);
+    assert_eq!(r.status, 200);
+    for needle in [
+        r#"tandem_http_requests_total{endpoint="/v1/chat/completions",status="200"} 1"#,
+        r#"tandem_http_requests_total{endpoint="other",status="404"} 1"#,
+        "tandem_generation_tokens_total 3",
+        "tandem_time_to_first_token_seconds_count 1",
+        "tandem_inter_token_latency_seconds_count 2",
+        "tandem_requests_running 0",
+        "tandem_kv_blocks_used 0",
+        "tandem_kv_blocks_free 1000",
+    ] {
+        assert!(r.body.contains(needle), "missing {needle:?} in\n{}", r.body);
+    }
+}
+
+#[test]
+fn never_fitting_request_is_a_400() {
+    // Waiting for and timing out on KV memory is covered at the scheduler level; here the
+    // HTTP mapping: a request that can never fit the cache is a 400 with a clear message.
+    let s = start(3);
+    let r = post(
+        &s,
+        "/v1/completions",
+        r#"{"model":"toy","prompt":"hello","max_tokens":20}"#,
+    );
+    assert_400(&r, None, "KV blocks");
+}
+
+#[test]
+fn request_waiting_for_kv_memory_times_out_with_503() {
+    let cfg = SchedulerConfig {
+        queue_timeout: Duration::from_millis(200),
+        ..Default::default()
+    };
+    // 10 blocks of 4 tokens; each request below needs 7, so the second must wait.
+    let s = start_with(10, cfg);
+    s.runner.lock().unwrap().step_delay = Duration::from_millis(20);
+    let body = r#"{"model":"toy","prompt":[2,3,4],"max_tokens":25,"temperature":0}"#;
+    let addr = s.addr;
+    let first = std::thread::spawn(move || request(addr, "POST", "/v1/completions", Some(body)));
+    std::thread::sleep(Duration::from_millis(100));
+    let r = post(&s, "/v1/completions", body);
+    assert_eq!(r.status, 503, "{}", r.body);
+    let e = &r.json()["error"];
+    assert_eq!(e["code"], "queue_timeout");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("waiting for KV cache memory"),
+        "{e}"
+    );
+    assert_eq!(first.join().unwrap().status, 200);
+    let m = request(s.addr, "GET", "/metrics", None).body;
+    assert!(
+        m.contains(r#"tandem_request_failures_total{reason="queue_timeout"} 1"#),
+        "{m}"
+    );
+}

@@ -1,0 +1,254 @@
+//! End-to-end: the real `tandem-dataplane` binary serving SmolLM2 over real HTTP.
+
+mod common;
+
+use std::io::BufReader;
+use std::time::Duration;
+
+use common::http_client::{read_chunk, read_head, send};
+use common::{MODEL_NAME, Server};
+use serde_json::{Value, json};
+
+fn chat(content: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    })
+}
+
+#[test]
+fn chat_completion_json_and_sse_and_bad_requests() {
+    let s = Server::start(&[]);
+    let r = s.post(
+        "/v1/chat/completions",
+        &chat("What is the capital of France?", 12, false),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], MODEL_NAME);
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(!text.is_empty());
+    let usage = &v["usage"];
+    assert!(
+        usage["prompt_tokens"].as_u64().unwrap() > 20,
+        "system prompt + question: {usage}"
+    );
+    let n = usage["completion_tokens"].as_u64().unwrap();
+    assert!((1..=12).contains(&n));
+    assert_eq!(
+        v["choices"][0]["finish_reason"],
+        if n == 12 { "length" } else { "stop" }
+    );
+
+    // The same greedy request streamed yields the same text.
+    let r = s.post(
+        "/v1/chat/completions",
+        &chat("What is the capital of France?", 12, true),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let data = r.sse_data();
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, text);
+    let last = chunks.last().unwrap();
+    assert_eq!(
+        last["choices"][0]["finish_reason"],
+        v["choices"][0]["finish_reason"]
+    );
+    assert_eq!(last["usage"], v["usage"]);
+
+    // Bad requests: 400 with an OpenAI error body; unknown path 404.
+    let bad = [
+        json!({"model": MODEL_NAME, "messages": []}),
+        json!({"model": MODEL_NAME}),
+        json!({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}),
+        json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+        json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "temperature": "warm"}),
+        json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": "word ".repeat(9000)}]}),
+    ];
+    for b in bad {
+        let r = s.post("/v1/chat/completions", &b);
+        assert_eq!(r.status, 400, "{b}: {}", r.body);
+        let e = &r.json()["error"];
+        assert!(
+            e["message"].is_string() && e["type"] == "invalid_request_error",
+            "{e}"
+        );
+    }
+    let r = common::request(s.addr, "POST", "/v1/chat/completions", Some("{\"model\":"));
+    assert_eq!(r.status, 400);
+    assert_eq!(s.get("/v1/nothing").status, 404);
+    assert_eq!(s.get("/v1/models").json()["data"][0]["id"], MODEL_NAME);
+    assert_eq!(s.get("/health").status, 200);
+}
+
+/// Greedy completion tokens (as token strings) of one prompt.
+fn greedy_tokens(s: &Server, prompt: &str) -> Vec<String> {
+    let r = s.post(
+        "/v1/completions",
+        &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let toks: Vec<String> = v["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap().to_owned())
+        .collect();
+    assert!(!toks.is_empty());
+    toks
+}
+
+#[test]
+fn concurrent_greedy_requests_equal_sequential_runs() {
+    // Chunk size above every prompt here: prompts are prefilled whole, so this compares
+    // batching alone (chunked interleaving is covered by the scheduler's unit tests).
+    let s = Server::start(&["--max-batch", "8", "--chunk-size", "256"]);
+    let prompts: Vec<String> = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a land far away,",
+        "The three primary colors are",
+        "1, 2, 3, 4,",
+        "Water boils at a temperature of",
+        "My favourite fruit is",
+        "The quick brown fox",
+    ]
+    .iter()
+    .map(|p| p.to_string())
+    .collect();
+    let sequential: Vec<Vec<String>> = prompts.iter().map(|p| greedy_tokens(&s, p)).collect();
+    let concurrent: Vec<Vec<String>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| sc.spawn(|| greedy_tokens(&s, p)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (a, b)) in sequential.iter().zip(&concurrent).enumerate() {
+        assert_eq!(a, b, "prompt {:?}", prompts[i]);
+    }
+    let distinct: std::collections::HashSet<_> = sequential.iter().collect();
+    assert!(
+        distinct.len() > 4,
+        "different prompts should give different outputs"
+    );
+}
+
+#[test]
+fn client_disconnect_mid_stream_frees_kv_blocks() {
+    let s = Server::start(&[]);
+    let body = chat("Write a long story about a dragon.", 400, true).to_string();
+    let mut r = BufReader::new(send(s.addr, "POST", "/v1/chat/completions", Some(&body)));
+    let (status, _) = read_head(&mut r);
+    assert_eq!(status, 200);
+    // Read a few chunks: generation is under way and holds KV blocks.
+    for _ in 0..3 {
+        assert!(read_chunk(&mut r).is_some());
+    }
+    assert!(s.metric("tandem_kv_blocks_used ") > 0.0);
+    assert_eq!(s.metric("tandem_requests_running "), 1.0);
+    drop(r);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while s.metric("tandem_kv_blocks_used ") > 0.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "blocks not freed after disconnect"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        s.metric("tandem_request_failures_total{reason=\"client_disconnected\"} "),
+        1.0
+    );
+    assert_eq!(s.metric("tandem_requests_running "), 0.0);
+    // Far fewer than 400 tokens were generated.
+    assert!(s.metric("tandem_generation_tokens_total ") < 200.0);
+}
+
+#[test]
+fn sigterm_finishes_in_flight_stream_and_exits_zero() {
+    let mut s = Server::start(&["--drain-secs", "60"]);
+    let body = chat("Tell me about the moon.", 24, true).to_string();
+    let mut r = BufReader::new(send(s.addr, "POST", "/v1/chat/completions", Some(&body)));
+    let (status, _) = read_head(&mut r);
+    assert_eq!(status, 200);
+    assert!(read_chunk(&mut r).is_some());
+    s.sigterm();
+    // The in-flight stream runs to its end.
+    let mut rest = Vec::new();
+    while let Some(c) = read_chunk(&mut r) {
+        rest.extend(c);
+    }
+    let rest = String::from_utf8(rest).unwrap();
+    assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
+    assert!(
+        rest.contains("\"finish_reason\":\"length\"")
+            || rest.contains("\"finish_reason\":\"stop\""),
+        "{rest}"
+    );
+    let st = s.wait_exit(Duration::from_secs(30));
+    assert!(st.success(), "exit status {st}; log:\n{}", s.log_text());
+    // New connections are refused once it is gone.
+    assert!(std::net::TcpStream::connect(s.addr).is_err());
+    assert!(s.log_text().contains("SIGTERM"));
+}
+
+#[test]
+fn openai_python_client_works_unchanged() {
+    let s = Server::start(&[]);
+    let py = std::env::var("TANDEM_PYTHON").unwrap_or_else(|_| {
+        let venv = common::repo_root().join(".venv/bin/python");
+        if venv.is_file() {
+            venv.display().to_string()
+        } else {
+            "python3".into()
+        }
+    });
+    let out = std::process::Command::new(py)
+        .arg(common::repo_root().join("scripts/openai_client_check.py"))
+        .arg(format!("http://{}/v1", s.addr))
+        .arg(MODEL_NAME)
+        .output()
+        .expect("run python (set TANDEM_PYTHON or run `make pyenv`)");
+    assert!(
+        out.status.success(),
+        "openai client check failed (run `make pyenv` if the package is missing):\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("openai client: all checks passed"));
+}
+
+#[test]
+fn pd_roles_are_refused_clearly_for_now() {
+    for role in ["prefill", "decode"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem-dataplane"))
+            .args(["--role", role, "--port", "0", "--model"])
+            .arg(common::model_path())
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(&format!("role '{role}' is not implemented yet")),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,441 @@
+//! The optimized CPU backend: SIMD inner loops picked at run time, threads over output
+//! rows (matmul) or (query, KV head) pairs (attention).
+
+mod pool;
+#[cfg(target_arch = "x86_64")]
+mod simd;
+
+pub use pool::ThreadPool;
+
+use std::cell::RefCell;
+
+use crate::api::{
+    AttnQuery, AttnShape, Kernels, KvView, Matrix, check_attention, check_matmul, kv_head_offset,
+};
+use crate::error::Result;
+use crate::quant::{BlockQ8, dequantize_row, quantize_act_row, vec_dot_q8};
+use crate::reference::ScalarKernels;
+use crate::rope::RopeTable;
+use crate::types::{GgmlType, QK};
+
+#[cfg(target_arch = "x86_64")]
+use simd::Avx2;
+
+/// Stand-in on other architectures: never constructed, so the scalar paths run.
+#[cfg(not(target_arch = "x86_64"))]
+#[derive(Debug, Clone, Copy)]
+enum Avx2 {}
+
+/// Per-thread scratch reused across calls so the hot loops never allocate.
+#[derive(Default)]
+struct Scratch {
+    w: Vec<i8>,
+    d: Vec<f32>,
+    m: Vec<f32>,
+    f: Vec<f32>,
+    f2: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    static OUT_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+fn grow<T: Default + Clone>(v: &mut Vec<T>, n: usize) {
+    if v.len() < n {
+        v.resize(n, T::default());
+    }
+}
+
+pub struct CpuKernels {
+    simd: Option<Avx2>,
+    /// Multiply quantized weights with f32 activations (decoded rows) instead of Q8
+    /// activation blocks: slower, but free of activation rounding, which lets tests
+    /// compare a whole model against an f32 reference tightly.
+    exact: bool,
+    pool: &'static ThreadPool,
+}
+
+impl Default for CpuKernels {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for CpuKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuKernels")
+            .field("simd", &self.simd.is_some())
+            .field("exact", &self.exact)
+            .field("threads", &self.pool.threads())
+            .finish()
+    }
+}
+
+impl CpuKernels {
+    /// SIMD when the CPU has it (unless `TANDEM_NO_SIMD` is set), on the global pool.
+    pub fn new() -> Self {
+        Self::with_simd(std::env::var_os("TANDEM_NO_SIMD").is_none())
+    }
+
+    /// `simd = false` forces the portable paths (still threaded); used to test them.
+    pub fn with_simd(simd: bool) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        let simd = if simd { Avx2::detect() } else { None };
+        #[cfg(not(target_arch = "x86_64"))]
+        let simd: Option<Avx2> = {
+            let _ = simd;
+            None
+        };
+        Self {
+            simd,
+            exact: false,
+            pool: ThreadPool::global(),
+        }
+    }
+
+    /// Quantized weights times f32 activations (see the `exact` field).
+    pub fn exact_activations(mut self) -> Self {
+        self.exact = true;
+        self
+    }
+
+    /// Whether `w` is multiplied with Q8 activation blocks.
+    fn uses_q8(&self, w: &Matrix<'_>) -> bool {
+        w.ty.is_quantized() && !self.exact
+    }
+
+    pub fn has_simd(&self) -> bool {
+        self.simd.is_some()
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    fn quantize_acts(&self, x: &[f32], n_tok: usize, cols: usize) -> Result<Vec<BlockQ8>> {
+        let nb = cols / QK;
+        let mut act = vec![BlockQ8::default(); n_tok * nb];
+        if n_tok < 8 {
+            for (a, xs) in act.chunks_mut(nb).zip(x.chunks(cols)) {
+                quantize_act_row(xs, a)?;
+            }
+        } else {
+            // Shapes were validated, so the per-row calls cannot fail.
+            let rows: Vec<_> = act.chunks_mut(nb).zip(x.chunks(cols)).collect();
+            self.pool.for_each(rows, |_, (a, xs)| {
+                let _ = quantize_act_row(xs, a);
+            });
+        }
+        Ok(act)
+    }
+
+    fn dot_f32(&self, a: &[f32], b: &[f32]) -> f32 {
+        match self.simd {
+            #[cfg(target_arch = "x86_64")]
+            Some(s) => s.dot_f32(a, b),
+            _ => a.iter().zip(b).map(|(x, y)| x * y).sum(),
+        }
+    }
+
+    /// Decode a float-typed (or KV-cache) row to f32.
+    fn decode_row(&self, ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+        match (self.simd, ty) {
+            #[cfg(target_arch = "x86_64")]
+            (Some(s), GgmlType::F16) => s.f16_to_f32(src, dst),
+            #[cfg(target_arch = "x86_64")]
+            (Some(s), GgmlType::BF16) => s.bf16_to_f32(src, dst),
+            #[cfg(target_arch = "x86_64")]
+            (Some(s), GgmlType::Q8_0) => s.q8_0_to_f32(src, dst),
+            // Sizes were validated by the caller.
+            _ => {
+                let _ = dequantize_row(ty, src, dst);
+            }
+        }
+    }
+
+    /// One weight row against one token.
+    fn dot_row(
+        &self,
+        w: &Matrix<'_>,
+        r: usize,
+        act: &[BlockQ8],
+        x: &[f32],
+        sc: &mut Scratch,
+    ) -> f32 {
+        let row = w.row(r);
+        if self.uses_q8(w) {
+            return match self.simd {
+                #[cfg(target_arch = "x86_64")]
+                Some(s) => s.dot_q(w.ty, row, act),
+                _ => vec_dot_q8(w.ty, row, act),
+            };
+        }
+        grow(&mut sc.f, w.cols);
+        let buf = &mut sc.f[..w.cols];
+        self.decode_row(w.ty, row, buf);
+        self.dot_f32(buf, x)
+    }
+
+    /// Rows `r0..r0+nr` of `w` against all `n_tok` tokens into `out[t·nr + i]`, decoding
+    /// each weight row once.
+    #[allow(clippy::too_many_arguments)]
+    fn rows_batch(
+        &self,
+        w: &Matrix<'_>,
+        r0: usize,
+        nr: usize,
+        act: &[BlockQ8],
+        x: &[f32],
+        n_tok: usize,
+        out: &mut [f32],
+    ) {
+        let cols = w.cols;
+        SCRATCH.with_borrow_mut(|sc| {
+            #[cfg(target_arch = "x86_64")]
+            if let (Some(s), true) = (self.simd, self.uses_q8(w)) {
+                let nb = cols / QK;
+                grow(&mut sc.w, nr * cols);
+                grow(&mut sc.d, nr * nb);
+                grow(&mut sc.m, nr * nb);
+                for i in 0..nr {
+                    s.unpack(
+                        w.ty,
+                        w.row(r0 + i),
+                        &mut sc.w[i * cols..(i + 1) * cols],
+                        &mut sc.d[i * nb..(i + 1) * nb],
+                        &mut sc.m[i * nb..(i + 1) * nb],
+                    );
+                }
+                let signed = w.ty != GgmlType::Q4_1;
+                let a = |t: usize| &act[t * nb..(t + 1) * nb];
+                let mut t = 0;
+                while t < n_tok {
+                    let four = t + 4 <= n_tok;
+                    for i in 0..nr {
+                        let (wr, dr, mr) = (
+                            &sc.w[i * cols..(i + 1) * cols],
+                            &sc.d[i * nb..(i + 1) * nb],
+                            &sc.m[i * nb..(i + 1) * nb],
+                        );
+                        if four {
+                            let v = s.dot_unpacked_x4(
+                                signed,
+                                wr,
+                                dr,
+                                mr,
+                                [a(t), a(t + 1), a(t + 2), a(t + 3)],
+                            );
+                            for (k, val) in v.into_iter().enumerate() {
+                                out[(t + k) * nr + i] = val;
+                            }
+                        } else {
+                            out[t * nr + i] = s.dot_unpacked_x1(signed, wr, dr, mr, a(t));
+                        }
+                    }
+                    t += if four { 4 } else { 1 };
+                }
+                return;
+            }
+            if self.uses_q8(w) {
+                let nb = cols / QK;
+                for i in 0..nr {
+                    let row = w.row(r0 + i);
+                    for t in 0..n_tok {
+                        out[t * nr + i] = vec_dot_q8(w.ty, row, &act[t * nb..(t + 1) * nb]);
+                    }
+                }
+                return;
+            }
+            grow(&mut sc.f, cols);
+            for i in 0..nr {
+                self.decode_row(w.ty, w.row(r0 + i), &mut sc.f[..cols]);
+                for t in 0..n_tok {
+                    out[t * nr + i] = self.dot_f32(&sc.f[..cols], &x[t * cols..(t + 1) * cols]);
+                }
+            }
+        });
+    }
+
+    /// Rows per task: enough tasks to balance the pool, few enough to keep overhead low;
+    /// for batches, small enough that the decoded rows stay in L1/L2.
+    fn chunk_rows(&self, rows: usize, cols: usize, n_tok: usize) -> usize {
+        let threads = self.pool.threads();
+        let balance = rows.div_ceil(threads * 8).max(8);
+        if n_tok == 1 {
+            balance
+        } else {
+            balance.min((32 * 1024 / cols.max(1)).max(4))
+        }
+    }
+}
+
+impl Kernels for CpuKernels {
+    fn name(&self) -> &'static str {
+        match (self.simd.is_some(), self.exact) {
+            (true, false) => "cpu-avx2",
+            (false, false) => "cpu-portable",
+            (true, true) => "cpu-avx2-exact",
+            (false, true) => "cpu-portable-exact",
+        }
+    }
+
+    fn matmul(
+        &self,
+        ws: &[Matrix<'_>],
+        x: &[f32],
+        n_tok: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<()> {
+        let cols = check_matmul(ws, x, n_tok, outs)?;
+        if n_tok == 0 || ws.is_empty() {
+            return Ok(());
+        }
+        let act = if ws.iter().any(|w| self.uses_q8(w)) {
+            self.quantize_acts(x, n_tok, cols)?
+        } else {
+            Vec::new()
+        };
+        if n_tok == 1 {
+            let mut parts = Vec::new();
+            for (j, out) in outs.iter_mut().enumerate() {
+                let chunk = self.chunk_rows(ws[j].rows, cols, 1);
+                for (c, o) in out.chunks_mut(chunk).enumerate() {
+                    parts.push((j, c * chunk, o));
+                }
+            }
+            self.pool
+                .for_each(parts, |_, (j, r0, o): (usize, usize, &mut [f32])| {
+                    SCRATCH.with_borrow_mut(|sc| {
+                        for (i, v) in o.iter_mut().enumerate() {
+                            *v = self.dot_row(&ws[j], r0 + i, &act, x, sc);
+                        }
+                    })
+                });
+            return Ok(());
+        }
+        // Batches: each task writes its rows for all tokens into its own contiguous
+        // region of a scratch buffer ([t][row]), scattered into the outputs afterwards.
+        let total: usize = ws.iter().map(|w| w.rows * n_tok).sum();
+        OUT_SCRATCH.with_borrow_mut(|scratch| {
+            grow(scratch, total);
+            let mut rest = &mut scratch[..total];
+            let mut parts = Vec::new();
+            for (j, w) in ws.iter().enumerate() {
+                let chunk = self.chunk_rows(w.rows, cols, n_tok);
+                let mut r0 = 0;
+                while r0 < w.rows {
+                    let nr = chunk.min(w.rows - r0);
+                    let (head, tail) = std::mem::take(&mut rest).split_at_mut(nr * n_tok);
+                    rest = tail;
+                    parts.push((j, r0, nr, head));
+                    r0 += nr;
+                }
+            }
+            let spans: Vec<(usize, usize, usize)> = parts.iter().map(|p| (p.0, p.1, p.2)).collect();
+            self.pool.for_each(
+                parts,
+                |_, (j, r0, nr, buf): (usize, usize, usize, &mut [f32])| {
+                    self.rows_batch(&ws[j], r0, nr, &act, x, n_tok, buf)
+                },
+            );
+            let mut off = 0;
+            for (j, r0, nr) in spans {
+                let rows = ws[j].rows;
+                for t in 0..n_tok {
+                    outs[j][t * rows + r0..t * rows + r0 + nr]
+                        .copy_from_slice(&scratch[off + t * nr..off + (t + 1) * nr]);
+                }
+                off += nr * n_tok;
+            }
+        });
+        Ok(())
+    }
+
+    fn rmsnorm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
+        // Linear in the activations and negligible next to the matmuls: the reference
+        // loop (auto-vectorized) is the implementation.
+        ScalarKernels.rmsnorm(x, w, eps, out)
+    }
+
+    fn rope(
+        &self,
+        x: &mut [f32],
+        n_heads: usize,
+        head_dim: usize,
+        positions: &[usize],
+        table: &RopeTable,
+    ) -> Result<()> {
+        ScalarKernels.rope(x, n_heads, head_dim, positions, table)
+    }
+
+    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
+        ScalarKernels.silu_mul(gate, up)
+    }
+
+    fn softmax(&self, x: &mut [f32]) {
+        ScalarKernels.softmax(x)
+    }
+
+    fn attention(
+        &self,
+        s: &AttnShape,
+        q: &[f32],
+        queries: &[AttnQuery<'_>],
+        k: &KvView<'_>,
+        v: &KvView<'_>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        check_attention(s, q, queries, k, v, out)?;
+        let (hd, g_size) = (s.head_dim, s.group());
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (k_row, k_head) = (k.ty.row_bytes(s.kv_dim())?, k.ty.row_bytes(hd)?);
+        let (v_row, v_head) = (v.ty.row_bytes(s.kv_dim())?, v.ty.row_bytes(hd)?);
+        // One task per (query token, KV head): the head's K and V rows are decoded once
+        // into f32 and shared by the group's query heads.
+        let parts: Vec<&mut [f32]> = out.chunks_mut(g_size * hd).collect();
+        self.pool.for_each(parts, |i, o| {
+            let (qi, g) = (i / s.n_kv_heads, i % s.n_kv_heads);
+            let qu = &queries[qi];
+            let n = qu.n_ctx;
+            let qg = &q[(qi * s.n_heads + g * g_size) * hd..][..g_size * hd];
+            SCRATCH.with_borrow_mut(|sc| {
+                grow(&mut sc.f, g_size * n);
+                grow(&mut sc.f2, n * hd);
+                let (scores, rows) = (&mut sc.f[..g_size * n], &mut sc.f2[..n * hd]);
+                for (t, row) in rows.chunks_exact_mut(hd).enumerate() {
+                    let off = kv_head_offset(qu.block_table, k.block_tokens, k_row, k_head, t, g);
+                    self.decode_row(k.ty, &k.data[off..off + k_head], row);
+                }
+                for h in 0..g_size {
+                    let qh = &qg[h * hd..(h + 1) * hd];
+                    for (sc, row) in scores[h * n..(h + 1) * n]
+                        .iter_mut()
+                        .zip(rows.chunks_exact(hd))
+                    {
+                        *sc = self.dot_f32(qh, row) * scale;
+                    }
+                    ScalarKernels.softmax(&mut scores[h * n..(h + 1) * n]);
+                }
+                for (t, row) in rows.chunks_exact_mut(hd).enumerate() {
+                    let off = kv_head_offset(qu.block_table, v.block_tokens, v_row, v_head, t, g);
+                    self.decode_row(v.ty, &v.data[off..off + v_head], row);
+                }
+                for h in 0..g_size {
+                    let (p, oh) = (&scores[h * n..(h + 1) * n], &mut o[h * hd..(h + 1) * hd]);
+                    match self.simd {
+                        #[cfg(target_arch = "x86_64")]
+                        Some(sx) if hd.is_multiple_of(8) => sx.weighted_sum(p, rows, oh),
+                        _ => {
+                            oh.fill(0.0);
+                            for (pt, row) in p.iter().zip(rows.chunks_exact(hd)) {
+                                oh.iter_mut().zip(row).for_each(|(a, b)| *a += pt * b);
+                            }
+                        }
+                    }
+                }
+            });
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,44 @@
+// Small element-wise kernels of the forward pass.
+
+// gate = silu(gate) * up (SwiGLU); silu(x) = x / (1 + exp(-x)) as in the reference.
+extern "C" __global__ void tandem_silu_mul(float* gate, const float* up, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = gate[i];
+    gate[i] = g / (1.0f + expf(-g)) * up[i];
+}
+
+// x += y (residual connections).
+extern "C" __global__ void tandem_add(float* x, const float* y, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    x[i] += y[i];
+}
+
+// dst[r] = src[idx[r]] for rows of `dim` (the last token of each sequence that wants logits).
+extern "C" __global__ void tandem_gather_rows(const float* src, const u32* idx, int n, int dim,
+                                              float* dst) {
+    int r = blockIdx.x;
+    if (r >= n) return;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        dst[(u64)r * dim + i] = src[(u64)idx[r] * dim + i];
+}
+
+// Activations -> BlockQ8, one warp per 32-element block. Bit-identical to
+// quant::quantize_act_row: d = amax / 127, id = 1 / d, q = rint(clamp(v * id, +-127)).
+extern "C" __global__ void tandem_quantize_q8(const float* x, u64 n_blocks, BlockQ8* out) {
+    u64 blk = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (blk >= n_blocks) return;  // whole warps leave together: blockDim is a multiple of 32
+    float v = x[blk * QK + lane];
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int q = __float2int_rn(fminf(fmaxf(v * id, -127.0f), 127.0f));
+    int sum = warp_isum(q);
+    ((i8*)out[blk].qs)[lane] = (i8)q;
+    if (lane == 0) {
+        out[blk].d = d;
+        out[blk].s = d * (float)sum;
+    }
+}

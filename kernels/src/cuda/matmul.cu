@@ -1,0 +1,210 @@
+// Matrix products out[t][r] = sum_c W[r][c] * x[t][c] with the weights as stored in GGUF.
+//
+// Quantized weights (Q4_0 / Q4_1 / Q8_0) multiply activations quantized to BlockQ8 (see
+// elementwise.cu), exactly like the CPU backends: per 32-element block an exact integer
+// dot product (dp4a), then (d_w * d_x) * sumi, plus m_w * s_x for Q4_1. Dequantization is
+// fused: the 4-bit codes are unpacked into int8 lanes in registers or shared memory and
+// never written back as floats.
+//
+//   mmvq_*: few tokens (decode). One warp per weight row; lane l reads blocks l, l+32, ...
+//           so a warp's loads of a row are contiguous (coalesced). Up to MMV_T tokens per
+//           launch row (grid.y covers more), so each weight block is read once per MMV_T.
+//   mmq_*:  many tokens (prefill). 64 rows x 64 tokens per 256-thread block; 4 weight
+//           blocks per stage staged through shared memory as int8 (thread t loads block
+//           t % 4 of row t / 4: neighbouring threads read neighbouring bytes).
+//   mmv_float: F32 / F16 / BF16 weights against f32 activations.
+
+#define MMV_T 8
+#define MQ_R 64
+#define MQ_T 64
+#define MQ_K 4
+
+// Unpack one weight block into 8 words of 4 signed int8 each (word k = elements 4k..4k+3),
+// the same element order as BlockQ8::qs, plus its scale d and (Q4_1) offset m.
+template <int TY>
+__device__ __forceinline__ void load_wblock(const u8* b, int* wq, float* d, float* m) {
+    if (TY == T_Q8_0) {
+        *d = h2f(ld16(b));
+        *m = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) wq[k] = ld32_b2(b + 2 + 4 * k);
+    } else {
+        const int off = TY == T_Q4_1 ? 4 : 2;
+        *d = h2f(ld16(b));
+        *m = TY == T_Q4_1 ? h2f(ld16(b + 2)) : 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int w = ld32_b2(b + off + 4 * k);
+            int lo = w & 0x0f0f0f0f, hi = (w >> 4) & 0x0f0f0f0f;
+            if (TY == T_Q4_0) {
+                // q - 8 per byte; the result fits a signed byte, so the wrap is exact.
+                lo = __vsub4(lo, 0x08080808);
+                hi = __vsub4(hi, 0x08080808);
+            }
+            wq[k] = lo;
+            wq[4 + k] = hi;
+        }
+    }
+}
+
+template <int TY>
+__device__ __forceinline__ int block_bytes() {
+    return TY == T_Q8_0 ? 34 : (TY == T_Q4_1 ? 20 : 18);
+}
+
+template <int TY>
+__device__ void mmvq(const u8* W, u64 row_bytes, int rows, int nb, const BlockQ8* X, int n_tok,
+                     float* out) {
+    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    int row = blockIdx.x * warps + (threadIdx.x >> 5);
+    int t0 = blockIdx.y * MMV_T;
+    if (row >= rows || t0 >= n_tok) return;
+    int nt = min(MMV_T, n_tok - t0);
+    float acc[MMV_T];
+#pragma unroll
+    for (int t = 0; t < MMV_T; t++) acc[t] = 0.0f;
+    const u8* wr = W + (u64)row * row_bytes;
+    for (int b = lane; b < nb; b += 32) {
+        int wq[8];
+        float d, m;
+        load_wblock<TY>(wr + (u64)b * block_bytes<TY>(), wq, &d, &m);
+#pragma unroll
+        for (int t = 0; t < MMV_T; t++) {
+            if (t < nt) {
+                const BlockQ8* a = X + (u64)(t0 + t) * nb + b;
+                int s = 0;
+#pragma unroll
+                for (int k = 0; k < 8; k++) s = __dp4a(wq[k], a->qs[k], s);
+                acc[t] += (d * a->d) * (float)s;
+                if (TY == T_Q4_1) acc[t] += m * a->s;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MMV_T; t++) {
+        float v = warp_sum(acc[t]);
+        if (lane == 0 && t < nt) out[(u64)(t0 + t) * rows + row] = v;
+    }
+}
+
+template <int TY>
+__device__ void mmq(const u8* W, u64 row_bytes, int rows, int nb, const BlockQ8* X, int n_tok,
+                    float* out) {
+    __shared__ int ws[MQ_R][MQ_K * 8 + 1];  // +1: rows land on different banks
+    __shared__ float wd[MQ_R][MQ_K], wm[MQ_R][MQ_K];
+    __shared__ int xs[MQ_T][MQ_K * 8 + 1];
+    __shared__ float xd[MQ_T][MQ_K], xsum[MQ_T][MQ_K];
+    const int tid = threadIdx.x;  // blockDim.x == 256
+    const int r0 = blockIdx.x * MQ_R, t0 = blockIdx.y * MQ_T;
+    const int tr = tid / 16, tt = tid % 16;  // this thread: rows tr + 16i, tokens tt + 16j
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+    const int lr = tid / MQ_K, lk = tid % MQ_K;  // staging: row/token lr, block lk
+    for (int k0 = 0; k0 < nb; k0 += MQ_K) {
+        __syncthreads();
+        {
+            int r = r0 + lr, b = k0 + lk;
+            int wq[8];
+            float d = 0.0f, m = 0.0f;
+            if (r < rows && b < nb) {
+                load_wblock<TY>(W + (u64)r * row_bytes + (u64)b * block_bytes<TY>(), wq, &d, &m);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) wq[k] = 0;
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++) ws[lr][lk * 8 + k] = wq[k];
+            wd[lr][lk] = d;
+            wm[lr][lk] = m;
+            int t = t0 + lr;
+            if (t < n_tok && b < nb) {
+                const BlockQ8* a = X + (u64)t * nb + b;
+#pragma unroll
+                for (int k = 0; k < 8; k++) xs[lr][lk * 8 + k] = a->qs[k];
+                xd[lr][lk] = a->d;
+                xsum[lr][lk] = a->s;
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) xs[lr][lk * 8 + k] = 0;
+                xd[lr][lk] = 0.0f;
+                xsum[lr][lk] = 0.0f;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kb = 0; kb < MQ_K; kb++) {
+            int s[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) s[i][j] = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                int a[4], x[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) a[i] = ws[tr + 16 * i][kb * 8 + k];
+#pragma unroll
+                for (int j = 0; j < 4; j++) x[j] = xs[tt + 16 * j][kb * 8 + k];
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) s[i][j] = __dp4a(a[i], x[j], s[i][j]);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    acc[i][j] += (wd[tr + 16 * i][kb] * xd[tt + 16 * j][kb]) * (float)s[i][j];
+                    if (TY == T_Q4_1) acc[i][j] += wm[tr + 16 * i][kb] * xsum[tt + 16 * j][kb];
+                }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int r = r0 + tr + 16 * i, t = t0 + tt + 16 * j;
+            if (r < rows && t < n_tok) out[(u64)t * rows + r] = acc[i][j];
+        }
+}
+
+#define MM_ENTRY(name, fn, TY)                                                                 \
+    extern "C" __global__ void name(const u8* W, u64 row_bytes, int rows, int nb,             \
+                                    const BlockQ8* X, int n_tok, float* out) {                \
+        fn<TY>(W, row_bytes, rows, nb, X, n_tok, out);                                        \
+    }
+
+MM_ENTRY(tandem_mmvq_q4_0, mmvq, T_Q4_0)
+MM_ENTRY(tandem_mmvq_q4_1, mmvq, T_Q4_1)
+MM_ENTRY(tandem_mmvq_q8_0, mmvq, T_Q8_0)
+MM_ENTRY(tandem_mmq_q4_0, mmq, T_Q4_0)
+MM_ENTRY(tandem_mmq_q4_1, mmq, T_Q4_1)
+MM_ENTRY(tandem_mmq_q8_0, mmq, T_Q8_0)
+
+// Float weights: one warp per row, lanes stride over columns (coalesced), MMV_T tokens.
+extern "C" __global__ void tandem_mmv_float(const u8* W, int ty, u64 row_bytes, int rows, int cols,
+                                            const float* x, int n_tok, float* out) {
+    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    int row = blockIdx.x * warps + (threadIdx.x >> 5);
+    int t0 = blockIdx.y * MMV_T;
+    if (row >= rows || t0 >= n_tok) return;
+    int nt = min(MMV_T, n_tok - t0);
+    float acc[MMV_T];
+#pragma unroll
+    for (int t = 0; t < MMV_T; t++) acc[t] = 0.0f;
+    const u8* wr = W + (u64)row * row_bytes;
+    for (int c = lane; c < cols; c += 32) {
+        float w = load_elem(wr, ty, c);
+#pragma unroll
+        for (int t = 0; t < MMV_T; t++)
+            if (t < nt) acc[t] += w * x[(u64)(t0 + t) * cols + c];
+    }
+#pragma unroll
+    for (int t = 0; t < MMV_T; t++) {
+        float v = warp_sum(acc[t]);
+        if (lane == 0 && t < nt) out[(u64)(t0 + t) * rows + row] = v;
+    }
+}

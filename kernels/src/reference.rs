@@ -1,0 +1,171 @@
+//! The scalar reference backend: straightforward loops, no SIMD, no threads. Every
+//! optimized backend is tested against it.
+
+use crate::api::{
+    AttnQuery, AttnShape, Kernels, KvView, Matrix, check_attention, check_matmul, kv_head_offset,
+};
+use crate::error::{Result, shape};
+use crate::quant::{BlockQ8, dequantize_row, quantize_act_row, vec_dot_q8};
+use crate::rope::RopeTable;
+use crate::types::QK;
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ScalarKernels;
+
+/// Quantize `n_tok` rows of `cols` activations into Q8 blocks, row after row.
+pub(crate) fn quantize_acts(x: &[f32], n_tok: usize, cols: usize) -> Result<Vec<BlockQ8>> {
+    let nb = cols / QK;
+    let mut act = vec![BlockQ8::default(); n_tok * nb];
+    for t in 0..n_tok {
+        quantize_act_row(&x[t * cols..(t + 1) * cols], &mut act[t * nb..(t + 1) * nb])?;
+    }
+    Ok(act)
+}
+
+pub(crate) fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+impl Kernels for ScalarKernels {
+    fn name(&self) -> &'static str {
+        "scalar"
+    }
+
+    fn matmul(
+        &self,
+        ws: &[Matrix<'_>],
+        x: &[f32],
+        n_tok: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<()> {
+        let cols = check_matmul(ws, x, n_tok, outs)?;
+        let act = if ws.iter().any(|w| w.ty.is_quantized()) {
+            quantize_acts(x, n_tok, cols)?
+        } else {
+            Vec::new()
+        };
+        let nb = cols / QK;
+        let mut row_f32 = vec![0f32; cols];
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            for r in 0..w.rows {
+                let row = w.row(r);
+                if !w.ty.is_quantized() {
+                    dequantize_row(w.ty, row, &mut row_f32)?;
+                }
+                for t in 0..n_tok {
+                    out[t * w.rows + r] = if w.ty.is_quantized() {
+                        vec_dot_q8(w.ty, row, &act[t * nb..(t + 1) * nb])
+                    } else {
+                        dot(&row_f32, &x[t * cols..(t + 1) * cols])
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn rmsnorm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
+        check_rmsnorm(x, w, out)?;
+        for (xs, os) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
+            let ss: f32 = xs.iter().map(|v| v * v).sum();
+            let scale = 1.0 / (ss / w.len() as f32 + eps).sqrt();
+            for ((o, v), g) in os.iter_mut().zip(xs).zip(w) {
+                *o = v * scale * g;
+            }
+        }
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut [f32],
+        n_heads: usize,
+        head_dim: usize,
+        positions: &[usize],
+        table: &RopeTable,
+    ) -> Result<()> {
+        table.check(x, n_heads, head_dim, positions)?;
+        for (tok, &pos) in x.chunks_exact_mut(n_heads * head_dim).zip(positions) {
+            for head in tok.chunks_exact_mut(head_dim) {
+                table.apply(head, pos);
+            }
+        }
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
+        if gate.len() != up.len() {
+            return Err(shape("silu_mul", format!("{} vs {}", gate.len(), up.len())));
+        }
+        for (g, u) in gate.iter_mut().zip(up) {
+            *g = silu(*g) * u;
+        }
+        Ok(())
+    }
+
+    fn softmax(&self, x: &mut [f32]) {
+        let max = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+        let mut sum = 0f32;
+        for v in x.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        x.iter_mut().for_each(|v| *v *= inv);
+    }
+
+    fn attention(
+        &self,
+        s: &AttnShape,
+        q: &[f32],
+        queries: &[AttnQuery<'_>],
+        k: &KvView<'_>,
+        v: &KvView<'_>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        check_attention(s, q, queries, k, v, out)?;
+        let hd = s.head_dim;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (k_row, k_head) = (k.ty.row_bytes(s.kv_dim())?, k.ty.row_bytes(hd)?);
+        let (v_row, v_head) = (v.ty.row_bytes(s.kv_dim())?, v.ty.row_bytes(hd)?);
+        let mut kh = vec![0f32; hd];
+        let mut vh = vec![0f32; hd];
+        for (qi, qu) in queries.iter().enumerate() {
+            let mut scores = vec![0f32; qu.n_ctx];
+            for h in 0..s.n_heads {
+                let g = h / s.group();
+                let qh = &q[(qi * s.n_heads + h) * hd..][..hd];
+                for (t, sc) in scores.iter_mut().enumerate() {
+                    let off = kv_head_offset(qu.block_table, k.block_tokens, k_row, k_head, t, g);
+                    dequantize_row(k.ty, &k.data[off..off + k_head], &mut kh)?;
+                    *sc = dot(qh, &kh) * scale;
+                }
+                self.softmax(&mut scores);
+                let oh = &mut out[(qi * s.n_heads + h) * hd..][..hd];
+                oh.fill(0.0);
+                for (t, p) in scores.iter().enumerate() {
+                    let off = kv_head_offset(qu.block_table, v.block_tokens, v_row, v_head, t, g);
+                    dequantize_row(v.ty, &v.data[off..off + v_head], &mut vh)?;
+                    for (o, x) in oh.iter_mut().zip(&vh) {
+                        *o += p * x;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn check_rmsnorm(x: &[f32], w: &[f32], out: &[f32]) -> Result<()> {
+    if w.is_empty() || !x.len().is_multiple_of(w.len()) || out.len() != x.len() {
+        return Err(shape(
+            "rmsnorm",
+            format!("x {} / weight {} / out {}", x.len(), w.len(), out.len()),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,410 @@
+//! Every optimized path must agree with the scalar reference on random inputs.
+//!
+//! Tolerances: quantized products do identical integer work per block and differ only in
+//! the order of f32 accumulation, so outputs must agree to 1e-5 of Σ|w·x| (the scale of
+//! the rounding error of any summation order). Attention and norms: 1e-5 absolute on
+//! values of order 1.
+
+use tandem_kernels::{
+    AttnQuery, AttnShape, CpuKernels, GgmlType, Kernels, KvView, Matrix, RopeStyle, RopeTable,
+    ScalarKernels, dequantize_row, quantize_row,
+};
+
+struct Rng(u64);
+impl Rng {
+    fn f(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f() * scale).collect()
+    }
+}
+
+fn backends() -> Vec<(&'static str, Box<dyn Kernels>)> {
+    vec![
+        ("cpu-simd", Box::new(CpuKernels::with_simd(true))),
+        ("cpu-portable", Box::new(CpuKernels::with_simd(false))),
+    ]
+}
+
+fn encode(ty: GgmlType, rows: usize, cols: usize, w: &[f32]) -> Vec<u8> {
+    let rb = ty.row_bytes(cols).unwrap();
+    let mut bytes = vec![0u8; rows * rb];
+    for r in 0..rows {
+        quantize_row(
+            ty,
+            &w[r * cols..(r + 1) * cols],
+            &mut bytes[r * rb..(r + 1) * rb],
+        )
+        .unwrap();
+    }
+    bytes
+}
+
+#[test]
+fn simd_detected_on_this_machine_when_available() {
+    // Not an equivalence check: documents which path the other tests exercised.
+    eprintln!("optimized backend: {:?}", CpuKernels::new());
+}
+
+#[test]
+fn matmul_matches_reference_for_every_type_and_batch_size() {
+    let mut rng = Rng(42);
+    for ty in GgmlType::ALL {
+        for &(rows, cols) in &[(37usize, 64usize), (130, 576), (8, 1536)] {
+            let w = rng.vec(rows * cols, 0.5);
+            let bytes = encode(ty, rows, cols, &w);
+            let m = Matrix::new(ty, rows, cols, &bytes).unwrap();
+            let mut deq = vec![0f32; rows * cols];
+            for r in 0..rows {
+                dequantize_row(ty, m.row(r), &mut deq[r * cols..(r + 1) * cols]).unwrap();
+            }
+            for n_tok in [1usize, 2, 3, 4, 5, 9, 17] {
+                let x = rng.vec(n_tok * cols, 2.0);
+                let mut want = vec![0f32; n_tok * rows];
+                ScalarKernels
+                    .matmul(&[m], &x, n_tok, &mut [&mut want])
+                    .unwrap();
+                for (name, k) in backends() {
+                    let mut got = vec![f32::NAN; n_tok * rows];
+                    k.matmul(&[m], &x, n_tok, &mut [&mut got]).unwrap();
+                    for t in 0..n_tok {
+                        for r in 0..rows {
+                            let mag: f32 = (0..cols)
+                                .map(|c| (deq[r * cols + c] * x[t * cols + c]).abs())
+                                .sum();
+                            let (a, b) = (want[t * rows + r], got[t * rows + r]);
+                            assert!(
+                                (a - b).abs() <= 1e-5 * mag + 1e-6,
+                                "{name} {ty} {rows}x{cols} T={n_tok} t={t} r={r}: {a} vs {b} (mag {mag})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_of_several_matrices_shares_one_input() {
+    let mut rng = Rng(9);
+    let cols = 96;
+    let (wa, wb) = (rng.vec(40 * cols, 1.0), rng.vec(24 * cols, 1.0));
+    let (ba, bb) = (
+        encode(GgmlType::Q4_1, 40, cols, &wa),
+        encode(GgmlType::F16, 24, cols, &wb),
+    );
+    let ma = Matrix::new(GgmlType::Q4_1, 40, cols, &ba).unwrap();
+    let mb = Matrix::new(GgmlType::F16, 24, cols, &bb).unwrap();
+    let x = rng.vec(3 * cols, 1.0);
+    for (_, k) in backends() {
+        let (mut oa, mut ob) = (vec![0f32; 3 * 40], vec![0f32; 3 * 24]);
+        k.matmul(&[ma, mb], &x, 3, &mut [&mut oa, &mut ob]).unwrap();
+        let (mut ra, mut rb) = (vec![0f32; 3 * 40], vec![0f32; 3 * 24]);
+        ScalarKernels.matmul(&[ma], &x, 3, &mut [&mut ra]).unwrap();
+        ScalarKernels.matmul(&[mb], &x, 3, &mut [&mut rb]).unwrap();
+        for (a, b) in oa.iter().zip(&ra).chain(ob.iter().zip(&rb)) {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn matmul_rejects_bad_shapes() {
+    let bytes = vec![0u8; 4 * 20];
+    let m = Matrix::new(GgmlType::Q4_1, 4, 32, &bytes).unwrap();
+    assert!(Matrix::new(GgmlType::Q4_1, 5, 32, &bytes).is_err());
+    assert!(Matrix::new(GgmlType::Q4_1, 1, 31, &bytes[..20]).is_err());
+    for (_, k) in backends() {
+        let mut out = vec![0f32; 3];
+        assert!(k.matmul(&[m], &[0.0; 32], 1, &mut [&mut out]).is_err());
+        let mut out = vec![0f32; 4];
+        assert!(k.matmul(&[m], &[0.0; 33], 1, &mut [&mut out]).is_err());
+    }
+}
+
+/// A paged pool holding one sequence of `n` tokens in shuffled blocks, and the dense
+/// f32 values it stores (after the storage type's rounding).
+fn paged(
+    rng: &mut Rng,
+    ty: GgmlType,
+    n: usize,
+    kv_dim: usize,
+    bt: usize,
+) -> (Vec<u8>, Vec<u32>, Vec<f32>) {
+    let n_blocks = n.div_ceil(bt) + 3;
+    let rb = ty.row_bytes(kv_dim).unwrap();
+    let mut pool = vec![0u8; n_blocks * bt * rb];
+    let mut table: Vec<u32> = (0..n_blocks as u32).rev().collect();
+    table.rotate_left(2);
+    let mut dense = vec![0f32; n * kv_dim];
+    for p in 0..n {
+        let vals = rng.vec(kv_dim, 1.5);
+        let off = (table[p / bt] as usize * bt + p % bt) * rb;
+        quantize_row(ty, &vals, &mut pool[off..off + rb]).unwrap();
+        dequantize_row(
+            ty,
+            &pool[off..off + rb],
+            &mut dense[p * kv_dim..(p + 1) * kv_dim],
+        )
+        .unwrap();
+    }
+    (pool, table, dense)
+}
+
+#[test]
+fn attention_matches_dense_math_and_reference() {
+    let mut rng = Rng(5);
+    let s = AttnShape {
+        n_heads: 6,
+        n_kv_heads: 2,
+        head_dim: 64,
+    };
+    let (bt, n) = (16, 45);
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0] {
+        let (kp, table, kd) = paged(&mut rng, ty, n, s.kv_dim(), bt);
+        let (vp, _, vd) = {
+            // V uses the same block table; rebuild its pool with that table.
+            let rb = ty.row_bytes(s.kv_dim()).unwrap();
+            let mut pool = vec![0u8; kp.len()];
+            let mut dense = vec![0f32; n * s.kv_dim()];
+            for p in 0..n {
+                let vals = rng.vec(s.kv_dim(), 1.0);
+                let off = (table[p / bt] as usize * bt + p % bt) * rb;
+                quantize_row(ty, &vals, &mut pool[off..off + rb]).unwrap();
+                dequantize_row(
+                    ty,
+                    &pool[off..off + rb],
+                    &mut dense[p * s.kv_dim()..(p + 1) * s.kv_dim()],
+                )
+                .unwrap();
+            }
+            (pool, (), dense)
+        };
+        // Three query tokens at different causal depths.
+        let ctxs = [1usize, 17, 45];
+        let queries: Vec<AttnQuery> = ctxs
+            .iter()
+            .map(|&c| AttnQuery {
+                block_table: &table,
+                n_ctx: c,
+            })
+            .collect();
+        let q = rng.vec(ctxs.len() * s.q_dim(), 1.0);
+        let kv = |d: &'static str, p: &[u8]| -> Vec<u8> {
+            let _ = d;
+            p.to_vec()
+        };
+        let (kp, vp) = (kv("k", &kp), kv("v", &vp));
+        let k = KvView {
+            ty,
+            data: &kp,
+            block_tokens: bt,
+        };
+        let v = KvView {
+            ty,
+            data: &vp,
+            block_tokens: bt,
+        };
+        let mut want = vec![0f32; q.len()];
+        ScalarKernels
+            .attention(&s, &q, &queries, &k, &v, &mut want)
+            .unwrap();
+        // Dense math straight from the definition.
+        for (qi, &c) in ctxs.iter().enumerate() {
+            for h in 0..s.n_heads {
+                let g = h / s.group();
+                let qh = &q[(qi * s.n_heads + h) * 64..][..64];
+                let sc: Vec<f64> = (0..c)
+                    .map(|t| {
+                        (0..64)
+                            .map(|i| (qh[i] * kd[t * s.kv_dim() + g * 64 + i]) as f64)
+                            .sum::<f64>()
+                            / 8.0
+                    })
+                    .collect();
+                let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = sc.iter().map(|x| (x - mx).exp()).sum();
+                for i in 0..64 {
+                    let o: f64 = (0..c)
+                        .map(|t| (sc[t] - mx).exp() / z * vd[t * s.kv_dim() + g * 64 + i] as f64)
+                        .sum();
+                    let got = want[(qi * s.n_heads + h) * 64 + i];
+                    assert!((o - got as f64).abs() < 1e-4, "{ty} dense {o} vs ref {got}");
+                }
+            }
+        }
+        for (name, kern) in backends() {
+            let mut got = vec![0f32; q.len()];
+            kern.attention(&s, &q, &queries, &k, &v, &mut got).unwrap();
+            for (a, b) in want.iter().zip(&got) {
+                assert!((a - b).abs() < 1e-5, "{name} {ty}: {a} vs {b}");
+            }
+        }
+        // A block id outside the pool is an error, not an out-of-bounds read.
+        let bad = vec![u32::MAX; 4];
+        let bq = [AttnQuery {
+            block_table: &bad,
+            n_ctx: 3,
+        }];
+        let mut o = vec![0f32; s.q_dim()];
+        assert!(
+            ScalarKernels
+                .attention(&s, &q[..s.q_dim()], &bq, &k, &v, &mut o)
+                .is_err()
+        );
+        assert!(
+            CpuKernels::new()
+                .attention(&s, &q[..s.q_dim()], &bq, &k, &v, &mut o)
+                .is_err()
+        );
+    }
+}
+
+#[test]
+fn elementwise_kernels_match_reference() {
+    let mut rng = Rng(77);
+    let w = rng.vec(96, 1.0);
+    let x = rng.vec(96 * 5, 3.0);
+    let table = RopeTable::new(RopeStyle::Normal, 32, 10000.0, 64).unwrap();
+    for (name, k) in backends() {
+        let (mut a, mut b) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+        ScalarKernels.rmsnorm(&x, &w, 1e-5, &mut a).unwrap();
+        k.rmsnorm(&x, &w, 1e-5, &mut b).unwrap();
+        assert!(
+            a.iter().zip(&b).all(|(p, q)| (p - q).abs() < 1e-5),
+            "{name} rmsnorm"
+        );
+        // rmsnorm definition on one row.
+        let ms: f32 = x[..96].iter().map(|v| v * v).sum::<f32>() / 96.0;
+        assert!((a[3] - x[3] / (ms + 1e-5).sqrt() * w[3]).abs() < 1e-4);
+
+        let (mut ga, mut gb) = (x.clone(), x.clone());
+        ScalarKernels.silu_mul(&mut ga, &w.repeat(5)).unwrap();
+        k.silu_mul(&mut gb, &w.repeat(5)).unwrap();
+        assert!(
+            ga.iter().zip(&gb).all(|(p, q)| (p - q).abs() < 1e-5),
+            "{name} silu"
+        );
+        assert!((ga[0] - x[0] / (1.0 + (-x[0]).exp()) * w[0]).abs() < 1e-5);
+
+        let (mut ra, mut rb) = (x.clone(), x.clone());
+        let pos = [0usize, 3, 9, 30, 63];
+        ScalarKernels.rope(&mut ra, 3, 32, &pos, &table).unwrap();
+        k.rope(&mut rb, 3, 32, &pos, &table).unwrap();
+        assert_eq!(ra, rb, "{name} rope");
+        assert_eq!(&ra[..96], &x[..96], "position 0 is the identity");
+
+        let (mut sa, mut sb) = (x.clone(), x.clone());
+        ScalarKernels.softmax(&mut sa);
+        k.softmax(&mut sb);
+        assert!((sa.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+        assert!(sa.iter().zip(&sb).all(|(p, q)| (p - q).abs() < 1e-7));
+    }
+}
+
+#[test]
+fn attention_over_several_sequences_matches_reference() {
+    let mut rng = Rng(17);
+    let s = AttnShape {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 64,
+    };
+    let bt = 16;
+    let n_blocks = 12;
+    for ty in [GgmlType::F16, GgmlType::Q8_0, GgmlType::F32] {
+        let rb = ty.row_bytes(s.kv_dim()).unwrap();
+        let mut kp = vec![0u8; n_blocks * bt * rb];
+        let mut vp = vec![0u8; n_blocks * bt * rb];
+        for row in kp.chunks_mut(rb).chain(vp.chunks_mut(rb)) {
+            quantize_row(ty, &rng.vec(s.kv_dim(), 1.0), row).unwrap();
+        }
+        let tables: [Vec<u32>; 3] = [vec![5, 2, 9], vec![0, 11], vec![7]];
+        let queries = [
+            AttnQuery {
+                block_table: &tables[0],
+                n_ctx: 6,
+            },
+            AttnQuery {
+                block_table: &tables[1],
+                n_ctx: 5,
+            },
+            AttnQuery {
+                block_table: &tables[2],
+                n_ctx: 2,
+            },
+            AttnQuery {
+                block_table: &tables[0],
+                n_ctx: 40,
+            },
+            AttnQuery {
+                block_table: &tables[1],
+                n_ctx: 17,
+            },
+        ];
+        let q = rng.vec(queries.len() * s.q_dim(), 1.0);
+        let k = KvView {
+            ty,
+            data: &kp,
+            block_tokens: bt,
+        };
+        let v = KvView {
+            ty,
+            data: &vp,
+            block_tokens: bt,
+        };
+        let mut want = vec![0f32; q.len()];
+        ScalarKernels
+            .attention(&s, &q, &queries, &k, &v, &mut want)
+            .unwrap();
+        for (name, kern) in backends() {
+            let mut got = vec![0f32; q.len()];
+            kern.attention(&s, &q, &queries, &k, &v, &mut got).unwrap();
+            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                assert!((a - b).abs() < 1e-5, "{name} {ty} at {i}: {a} vs {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn exact_activation_mode_matches_dense_f32_math() {
+    let mut rng = Rng(3);
+    let (rows, cols) = (45, 192);
+    for ty in GgmlType::ALL {
+        let w = rng.vec(rows * cols, 0.5);
+        let bytes = encode(ty, rows, cols, &w);
+        let m = Matrix::new(ty, rows, cols, &bytes).unwrap();
+        let mut deq = vec![0f32; rows * cols];
+        dequantize_row(ty, &bytes, &mut deq).unwrap();
+        for n_tok in [1, 6] {
+            let x = rng.vec(n_tok * cols, 2.0);
+            for k in [
+                CpuKernels::with_simd(true).exact_activations(),
+                CpuKernels::with_simd(false).exact_activations(),
+            ] {
+                let mut got = vec![0f32; n_tok * rows];
+                k.matmul(&[m], &x, n_tok, &mut [&mut got]).unwrap();
+                for t in 0..n_tok {
+                    for r in 0..rows {
+                        let terms =
+                            (0..cols).map(|c| deq[r * cols + c] as f64 * x[t * cols + c] as f64);
+                        let (want, mag) =
+                            terms.fold((0f64, 0f64), |(s, a), v| (s + v, a + v.abs()));
+                        let g = got[t * rows + r] as f64;
+                        assert!(
+                            (want - g).abs() <= 1e-5 * mag + 1e-6,
+                            "{k:?} {ty}: {want} vs {g}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
