@@ -6,10 +6,10 @@ MODEL_DIR := $(CURDIR)/.cache/models
 export TANDEM_PYTHON := $(PYTHON)
 export TANDEM_MODEL_DIR := $(MODEL_DIR)
 
-.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve
+.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests)
-test: lint crd-check pyenv model unit validate-crd
+test: lint crd-check pyenv model unit validate-crd cuda-check
 
 lint:
 	cargo fmt --all -- --check
@@ -17,6 +17,23 @@ lint:
 
 unit:
 	cargo test --workspace
+
+# NVRTC from the nvidia-cuda-nvrtc-cu12 wheel (scripts/requirements-test.txt), found at run
+# time after `pyenv` has created it; cudarc dlopens libnvrtc.so.12 through LD_LIBRARY_PATH.
+NVRTC_LIB = $$(ls -d $(CURDIR)/$(PY_VENV)/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib 2>/dev/null | head -1)
+
+## cuda-check: the CUDA backend without a GPU — every .cu compiles with NVRTC for sm_80 and
+## sm_90 with every kernel name present, host-side logic tests, clippy with the feature
+cuda-check: pyenv
+	LD_LIBRARY_PATH="$(NVRTC_LIB)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" \
+	  cargo test -p tandem-kernels --features cuda
+	cargo clippy -p tandem-kernels --features gpu-tests --all-targets -- -D warnings
+	cargo test -p tandem-dataplane --features cuda --lib model::cuda_runner
+
+## gpu-test: on a machine with an NVIDIA GPU: every kernel vs the CPU reference, greedy
+## SmolLM2 GPU == CPU, throughput
+gpu-test:
+	tests/gpu/run.sh
 
 ## crds: regenerate crds/ from the Rust types
 crds:

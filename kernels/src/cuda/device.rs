@@ -175,7 +175,9 @@ pub struct CudaDevice {
 
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaDevice").field("info", &self.info).finish()
+        f.debug_struct("CudaDevice")
+            .field("info", &self.info)
+            .finish()
     }
 }
 
@@ -215,7 +217,10 @@ impl CudaDevice {
                 // refuses: let the driver JIT the PTX instead.
                 Err(e) => {
                     let ptx = sources::compile(
-                        sources::SOURCES.iter().find(|s| s.file == *file).expect("listed"),
+                        sources::SOURCES
+                            .iter()
+                            .find(|s| s.file == *file)
+                            .expect("listed"),
                         major,
                         minor,
                         Target::Ptx,
@@ -369,10 +374,23 @@ impl CudaDevice {
         n_blocks: usize,
     ) -> Result<DeviceKv> {
         if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Q8_0) {
-            return Err(shape("cuda kv", format!("KV dtype {ty} (use F32, F16 or Q8_0)")));
+            return Err(shape(
+                "cuda kv",
+                format!("KV dtype {ty} (use F32, F16 or Q8_0)"),
+            ));
         }
         if block_tokens == 0 || n_blocks == 0 || n_blocks > u32::MAX as usize {
-            return Err(shape("cuda kv", format!("{n_blocks} blocks of {block_tokens}")));
+            return Err(shape(
+                "cuda kv",
+                format!("{n_blocks} blocks of {block_tokens}"),
+            ));
+        }
+        // The store kernel encodes whole 32-value chunks (Q8_0 blocks).
+        if kv_dim == 0 || !kv_dim.is_multiple_of(crate::QK) {
+            return Err(shape(
+                "cuda kv",
+                format!("kv_dim {kv_dim} is not a multiple of 32"),
+            ));
         }
         let total = DeviceKv::bytes_for(ty, n_layers, kv_dim, block_tokens, n_blocks)?;
         Ok(DeviceKv {
@@ -425,7 +443,13 @@ impl CudaDevice {
             i32_of(table.cols)?,
         );
         self.launch(Kernel::Embed, launch::embed(n_tok, table.cols)?, |b| {
-            b.arg(&table.data).arg(&ty).arg(&rb).arg(tokens).arg(&n).arg(&dim).arg(out);
+            b.arg(&table.data)
+                .arg(&ty)
+                .arg(&rb)
+                .arg(tokens)
+                .arg(&n)
+                .arg(&dim)
+                .arg(out);
         })
     }
 
@@ -462,7 +486,10 @@ impl CudaDevice {
         table: &DeviceRope,
     ) -> Result<()> {
         if table.rot_dim > head_dim {
-            return Err(shape("rope", format!("rot {} > head {head_dim}", table.rot_dim)));
+            return Err(shape(
+                "rope",
+                format!("rot {} > head {head_dim}", table.rot_dim),
+            ));
         }
         len_check("rope", "x", x.len(), n_tok * n_heads * head_dim)?;
         len_check("rope", "positions", positions.len(), n_tok)?;
@@ -624,7 +651,10 @@ impl CudaDevice {
         let mut covered = 0;
         for r in runs {
             if r.first != covered || r.len == 0 || r.first + r.len > queries.len() {
-                return Err(shape("attn_plan", format!("run {r:?} after {covered} queries")));
+                return Err(shape(
+                    "attn_plan",
+                    format!("run {r:?} after {covered} queries"),
+                ));
             }
             covered += r.len;
             let off = tables.len();
@@ -638,7 +668,10 @@ impl CudaDevice {
                     ));
                 }
                 if let Some(b) = q.table[..need].iter().find(|b| **b as usize >= kv.n_blocks) {
-                    return Err(shape("attn_plan", format!("block {b} outside {}", kv.n_blocks)));
+                    return Err(shape(
+                        "attn_plan",
+                        format!("block {b} outside {}", kv.n_blocks),
+                    ));
                 }
                 n_ctx.push(i32_of(q.n_ctx)?);
                 tbl_off.push(i32_of(off)?);
@@ -650,7 +683,10 @@ impl CudaDevice {
             });
         }
         if covered != queries.len() {
-            return Err(shape("attn_plan", format!("runs cover {covered} of {}", queries.len())));
+            return Err(shape(
+                "attn_plan",
+                format!("runs cover {covered} of {}", queries.len()),
+            ));
         }
         let (singles, tiles) = launch::plan_attention(&run_offsets)?;
         Ok(DeviceAttnPlan {
@@ -679,7 +715,10 @@ impl CudaDevice {
             return Err(shape("attention", format!("bad head counts {s:?}")));
         }
         if s.kv_dim() != kv.kv_dim || layer >= kv.n_layers {
-            return Err(shape("attention", format!("{s:?} vs KV of dim {}", kv.kv_dim)));
+            return Err(shape(
+                "attention",
+                format!("{s:?} vs KV of dim {}", kv.kv_dim),
+            ));
         }
         len_check("attention", "q", q.len(), plan.n_queries * s.q_dim())?;
         len_check("attention", "out", out.len(), plan.n_queries * s.q_dim())?;
@@ -695,7 +734,11 @@ impl CudaDevice {
             i32_of(head_bytes)?,
             i32_of(kv.block_tokens)?,
         );
-        let (nh, nkv, hd) = (i32_of(s.n_heads)?, i32_of(s.n_kv_heads)?, i32_of(s.head_dim)?);
+        let (nh, nkv, hd) = (
+            i32_of(s.n_heads)?,
+            i32_of(s.n_kv_heads)?,
+            i32_of(s.head_dim)?,
+        );
         let scale = 1.0 / (s.head_dim as f32).sqrt();
         if plan.n_singles > 0 {
             let l = launch::attn_decode(s.n_heads, plan.n_singles, s.head_dim)?;
@@ -755,7 +798,10 @@ impl CudaDevice {
         n_tok: usize,
     ) -> Result<()> {
         if layer >= kv.n_layers || !kv.kv_dim.is_multiple_of(crate::QK) {
-            return Err(shape("kv_store", format!("layer {layer}, kv_dim {}", kv.kv_dim)));
+            return Err(shape(
+                "kv_store",
+                format!("layer {layer}, kv_dim {}", kv.kv_dim),
+            ));
         }
         len_check("kv_store", "k", k.len(), n_tok * kv.kv_dim)?;
         len_check("kv_store", "v", v.len(), n_tok * kv.kv_dim)?;
@@ -791,7 +837,10 @@ impl CudaDevice {
         if table.len() < need || table[..need].iter().any(|b| *b as usize >= kv.n_blocks) {
             return Err(shape(
                 "kv transfer",
-                format!("{n_tok} tokens with table {table:?} in {} blocks", kv.n_blocks),
+                format!(
+                    "{n_tok} tokens with table {table:?} in {} blocks",
+                    kv.n_blocks
+                ),
             ));
         }
         Ok(())
@@ -842,7 +891,10 @@ impl CudaDevice {
         Self::check_table(kv, table, n_tok)?;
         let bytes = kv.n_layers * 2 * n_tok * kv.row_bytes;
         if packed.len() != bytes {
-            return Err(shape("kv_scatter", format!("{} bytes, need {bytes}", packed.len())));
+            return Err(shape(
+                "kv_scatter",
+                format!("{} bytes, need {bytes}", packed.len()),
+            ));
         }
         if n_tok == 0 {
             return Ok(());
@@ -965,6 +1017,6 @@ mod tests {
             3 * 4 * 68 * 2
         );
         assert!(DeviceKv::bytes_for(GgmlType::F32, usize::MAX, 64, 16, 16).is_err());
-        assert!(DeviceKv::bytes_for(GgmlType::F16, 1, 33, 16, 16).is_err());
+        assert!(DeviceKv::bytes_for(GgmlType::Q8_0, 1, 33, 16, 16).is_err());
     }
 }

@@ -2,7 +2,8 @@
 //
 // Device KV buffers: one allocation for all layers' K pools ([layer][pool]) and one for
 // the V pools, each pool laid out exactly like the CPU PagedKvCache pool:
-// (block * block_tokens + pos % block_tokens) * row_bytes, a row being one token's kv_dim values stored as F32 / F16 / Q8_0.
+// (block * block_tokens + pos % block_tokens) * row_bytes, a row being one token's kv_dim
+// values stored as F32 / F16 / Q8_0.
 // Packed transfer buffer (the body of the TKV1 export after its 32-byte header, see
 // dataplane model::kv_transfer): for each layer, K rows of positions 0..n, then V rows.
 

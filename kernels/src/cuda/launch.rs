@@ -117,11 +117,9 @@ pub fn matmul(ty: GgmlType, rows: usize, n_tok: usize) -> Result<(MatmulKind, La
             32 * warps as u32,
             0,
         )?,
-        MatmulKind::Tiled => Launch::new(
-            (rows.div_ceil(MMQ_TILE), n_tok.div_ceil(MMQ_TILE)),
-            256,
-            0,
-        )?,
+        MatmulKind::Tiled => {
+            Launch::new((rows.div_ceil(MMQ_TILE), n_tok.div_ceil(MMQ_TILE)), 256, 0)?
+        }
     };
     Ok((kind, l))
 }
@@ -229,7 +227,11 @@ mod tests {
             let threads = l.grid.0 as usize * l.block.0 as usize;
             assert!(threads >= n && threads - n < 256, "{n}: {l:?}");
         }
-        assert_eq!(elementwise(0).unwrap().grid.0, 1, "empty launches stay valid");
+        assert_eq!(
+            elementwise(0).unwrap().grid.0,
+            1,
+            "empty launches stay valid"
+        );
     }
 
     #[test]
@@ -244,7 +246,10 @@ mod tests {
         assert_eq!(l.grid, (768, 5, 1));
         let (k, l) = matmul(GgmlType::F16, 100, 300).unwrap();
         assert_eq!((k, l.grid), (MatmulKind::Float, (13, 38, 1)));
-        assert!(matmul(GgmlType::F32, 64, 8 * 65536).is_err(), "grid.y limit");
+        assert!(
+            matmul(GgmlType::F32, 64, 8 * 65536).is_err(),
+            "grid.y limit"
+        );
     }
 
     #[test]
@@ -284,7 +289,7 @@ mod tests {
         assert_eq!(singles, vec![0, 36]);
         assert_eq!(tiles, vec![1, 16, 4, 17, 16, 4, 33, 3, 4]);
         // Every query of the batch is covered exactly once.
-        let mut seen = vec![0; 37];
+        let mut seen = [0; 37];
         for q in &singles {
             seen[*q as usize] += 1;
         }

@@ -222,7 +222,11 @@ impl Drop for Program {
 }
 
 fn chars_to_string(v: &[std::ffi::c_char]) -> String {
-    let bytes: Vec<u8> = v.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
+    let bytes: Vec<u8> = v
+        .iter()
+        .take_while(|c| **c != 0)
+        .map(|c| *c as u8)
+        .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
@@ -230,11 +234,13 @@ fn chars_to_string(v: &[std::ffi::c_char]) -> String {
 /// terminating NUL) or a CUBIN image.
 pub fn compile(src: &Source, major: u32, minor: u32, target: Target) -> Result<Vec<u8>> {
     nvrtc_available()?;
-    let fail = |what: String| Error::Cuda(format!("NVRTC, {} for sm_{major}{minor}: {what}", src.file));
+    let fail =
+        |what: String| Error::Cuda(format!("NVRTC, {} for sm_{major}{minor}: {what}", src.file));
     let code = CString::new(full_source(src)).map_err(|e| fail(e.to_string()))?;
     let name = CString::new(src.file).map_err(|e| fail(e.to_string()))?;
     // `code` and `name` are declared first, so they outlive the program that points to them.
-    let prog = Program(nvrtc::create_program(&code, Some(&name)).map_err(|e| fail(format!("{e:?}")))?);
+    let prog =
+        Program(nvrtc::create_program(&code, Some(&name)).map_err(|e| fail(format!("{e:?}")))?);
     let opts = [arch_option(major, minor, target), "--std=c++17".to_string()];
     // SAFETY: `prog` is a live program (destroyed only by its Drop).
     if let Err(e) = unsafe { nvrtc::compile_program(prog.0, &opts) } {
