@@ -1,5 +1,5 @@
-//! Assembles the serving stack for role `both`: model runner, tokenizer, chat template,
-//! engine thread and HTTP state.
+//! Assembles the serving stack: model runner, tokenizer, chat template, engine thread, HTTP
+//! state, and for the PD roles the KV transfer loops.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -9,8 +9,10 @@ use crate::chat::ChatTemplate;
 use crate::config::{Config, Role};
 use crate::engine_api::ModelRunner;
 use crate::gguf::Gguf;
+use crate::kv::auth::GroupKey;
 use crate::metrics::Metrics;
 use crate::model::{CpuModelRunner, KvCacheConfig, RunnerConfig};
+use crate::pd::PdRole;
 use crate::server::AppState;
 use crate::tokenizer::{self, TokenText, Tokenizer};
 use crate::{Error, Result};
@@ -21,9 +23,9 @@ pub struct App {
 }
 
 pub fn build(cfg: &Config) -> Result<App> {
-    if cfg.role != Role::Both {
+    if cfg.role != Role::Both && cfg.group_key.is_empty() {
         return Err(Error::Model(format!(
-            "role '{}' is not implemented yet; only '--role both' is supported",
+            "role '{}' needs a group key (--group-key or TANDEM_GROUP_KEY) to authenticate its KV peers",
             cfg.role.as_str()
         )));
     }
@@ -45,6 +47,7 @@ pub fn build(cfg: &Config) -> Result<App> {
     };
     let runner = CpuModelRunner::new(gguf, rc, tandem_kernels::best_backend())?;
     let info = runner.info().clone();
+    let kv_dtype = runner.kv_config().dtype.id();
     if info.vocab_size != tok.vocab_size() {
         return Err(Error::Model(format!(
             "tokenizer has {} tokens but the model's vocabulary is {}",
@@ -70,6 +73,7 @@ pub fn build(cfg: &Config) -> Result<App> {
         has_chat_template = chat.is_some(),
         "model loaded"
     );
+    let pd = start_pd(cfg, &info, kv_dtype, &engine, &metrics)?;
     let state = Arc::new(AppState {
         engine,
         tokenizer: tok,
@@ -82,9 +86,51 @@ pub fn build(cfg: &Config) -> Result<App> {
         max_heartbeat_age: cfg.engine_stall(),
         role: cfg.role.as_str(),
         draining: AtomicBool::new(false),
+        pd,
     });
     Ok(App {
         state,
         engine_thread,
+    })
+}
+
+/// Start the KV channel of a PD role (none for `both`).
+fn start_pd(
+    cfg: &Config,
+    info: &crate::engine_api::ModelInfo,
+    kv_dtype: u32,
+    engine: &crate::scheduler::EngineHandle,
+    metrics: &Arc<Metrics>,
+) -> Result<Option<PdRole>> {
+    // A fresh random incarnation per process start (rule 4).
+    let incarnation = crate::pd::random_id();
+    let local = crate::pd::local_identity(info, kv_dtype, incarnation, cfg.group_incarnation);
+    let key = GroupKey::new(cfg.group_key.as_bytes());
+    let t = cfg.pd_timings();
+    tracing::info!(
+        role = cfg.role.as_str(),
+        incarnation = format!("{incarnation:016x}"),
+        group_incarnation = cfg.group_incarnation,
+        "process incarnation"
+    );
+    Ok(match cfg.role {
+        Role::Both => None,
+        Role::Prefill => Some(PdRole::Prefill(crate::pd::prefill::start(
+            &cfg.host,
+            cfg.kv_port,
+            local,
+            key,
+            t,
+            engine.clone(),
+            metrics.clone(),
+        )?)),
+        Role::Decode => Some(PdRole::Decode(crate::pd::decode::start(
+            &cfg.prefill_peers,
+            local,
+            key,
+            t,
+            info,
+            metrics.clone(),
+        )?)),
     })
 }

@@ -76,6 +76,51 @@ pub struct Config {
     pub drain_secs: f64,
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// Prefill: TCP port of the KV transfer ROUTER socket.
+    #[arg(long, env = "TANDEM_KV_PORT", default_value_t = 5557)]
+    pub kv_port: u16,
+    /// Decode: prefill KV endpoints (`host:port`), comma separated.
+    #[arg(long = "prefill", env = "TANDEM_PREFILL_PEERS", value_delimiter = ',')]
+    pub prefill_peers: Vec<String>,
+    /// Incarnation of the bootstrap group (from the operator); peers must agree.
+    #[arg(long, env = "TANDEM_GROUP_INCARNATION", default_value_t = 0)]
+    pub group_incarnation: u64,
+    /// Shared secret of the group for the handshake (required for prefill and decode).
+    #[arg(
+        long,
+        env = "TANDEM_GROUP_KEY",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    pub group_key: String,
+    /// Decode: seconds between PINGs to each prefill.
+    #[arg(long, env = "TANDEM_PROBE_PERIOD_SECONDS", default_value_t = 2.0)]
+    pub probe_period_seconds: f64,
+    /// Decode: missed probe periods before `/ready` fails.
+    #[arg(long, env = "TANDEM_FAILURE_THRESHOLD", default_value_t = 3)]
+    pub failure_threshold: u32,
+    /// No-progress limit of handshakes, rooms waiting for a session, and abort acks.
+    #[arg(long, env = "TANDEM_BOOTSTRAP_TIMEOUT_SECONDS", default_value_t = 10.0)]
+    pub bootstrap_timeout_seconds: f64,
+    /// No-progress limit of rooms waiting for or receiving KV.
+    #[arg(long, env = "TANDEM_KV_TIMEOUT_SECONDS", default_value_t = 30.0)]
+    pub kv_timeout_seconds: f64,
+}
+
+/// Protocol timings derived from the configuration.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PdTimings {
+    pub probe_period: Duration,
+    pub failure_threshold: u32,
+    pub bootstrap_timeout: Duration,
+    pub kv_timeout: Duration,
+}
+
+impl PdTimings {
+    /// How long without a PONG before a peer counts as down.
+    pub fn liveness_window(&self) -> Duration {
+        self.probe_period * self.failure_threshold.max(1)
+    }
 }
 
 impl Config {
@@ -106,6 +151,16 @@ impl Config {
 
     pub fn engine_stall(&self) -> Duration {
         secs(self.engine_stall_secs)
+    }
+
+    pub fn pd_timings(&self) -> PdTimings {
+        let floor = |d: Duration| d.max(Duration::from_millis(50));
+        PdTimings {
+            probe_period: floor(secs(self.probe_period_seconds)),
+            failure_threshold: self.failure_threshold.max(1),
+            bootstrap_timeout: floor(secs(self.bootstrap_timeout_seconds)),
+            kv_timeout: floor(secs(self.kv_timeout_seconds)),
+        }
     }
 }
 
@@ -138,5 +193,34 @@ mod tests {
             Config::try_parse_from(["x"]).is_err(),
             "--model is required"
         );
+    }
+
+    #[test]
+    fn parses_pd_flags_as_the_operator_passes_them() {
+        let c = Config::try_parse_from([
+            "x",
+            "--role",
+            "decode",
+            "--model",
+            "m.gguf",
+            "--served-model-name",
+            "smol",
+            "--port",
+            "8000",
+            "--kv-port",
+            "6000",
+            "--prefill",
+            "p0.g:6000,p1.g:6000",
+            "--probe-period-seconds",
+            "1",
+            "--failure-threshold",
+            "2",
+        ])
+        .unwrap();
+        assert_eq!(c.role, Role::Decode);
+        assert_eq!(c.prefill_peers, ["p0.g:6000", "p1.g:6000"]);
+        assert_eq!(c.kv_port, 6000);
+        let t = c.pd_timings();
+        assert_eq!(t.liveness_window(), Duration::from_secs(2));
     }
 }

@@ -19,6 +19,7 @@ pub mod stop;
 pub mod tokenizer;
 
 pub mod kv;
+pub mod pd;
 
 #[cfg(test)]
 mod test_support;

@@ -19,8 +19,156 @@ pub struct ReasonLabels {
     pub reason: String,
 }
 
+/// One label for the KV protocol families (the label name differs per family).
+macro_rules! label {
+    ($name:ident, $field:ident) => {
+        #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+        pub struct $name {
+            pub $field: String,
+        }
+    };
+}
+label!(KindLabels, kind);
+label!(ResultLabels, result);
+label!(LoopLabels, r#loop);
+label!(PeerLabels, peer);
+label!(DirectionLabels, direction);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RoomLabels {
+    pub state: String,
+    pub reason: String,
+}
+
+/// KV transfer protocol metrics (PD roles). Every failure path has a reason label.
+pub struct KvMetrics {
+    /// Rooms opened; every one ends in exactly one `rooms` sample.
+    pub rooms_opened: Counter,
+    /// Rooms by terminal state (done, failed, aborted) and reason.
+    pub rooms: Family<RoomLabels, Counter>,
+    pub transfer_bytes: Family<DirectionLabels, Counter>,
+    pub ping_rtt: Histogram,
+    pub handshakes: Family<ResultLabels, Counter>,
+    /// Dropped inbound messages by kind (decode error kinds, unexpected, unauthenticated).
+    pub malformed: Family<KindLabels, Counter>,
+    pub loop_restarts: Family<LoopLabels, Counter>,
+    pub peer_incarnation_changes: Counter,
+    pub send_failures: Family<ResultLabels, Counter>,
+    /// KV blocks held by rooms still in transfer, per peer.
+    pub blocks_in_transfer: Family<PeerLabels, Gauge>,
+}
+
+impl KvMetrics {
+    fn register(r: &mut Registry) -> Self {
+        let m = Self {
+            rooms_opened: Counter::default(),
+            rooms: Family::default(),
+            transfer_bytes: Family::default(),
+            ping_rtt: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
+            handshakes: Family::default(),
+            malformed: Family::default(),
+            loop_restarts: Family::default(),
+            peer_incarnation_changes: Counter::default(),
+            send_failures: Family::default(),
+            blocks_in_transfer: Family::default(),
+        };
+        r.register(
+            "kv_rooms_opened",
+            "KV transfer rooms opened",
+            m.rooms_opened.clone(),
+        );
+        r.register(
+            "kv_rooms",
+            "Finished KV transfer rooms by terminal state and reason",
+            m.rooms.clone(),
+        );
+        r.register(
+            "kv_transfer_bytes",
+            "KV bytes moved, by direction",
+            m.transfer_bytes.clone(),
+        );
+        r.register(
+            "kv_ping_rtt_seconds",
+            "PING/PONG round trip over the KV channel",
+            m.ping_rtt.clone(),
+        );
+        r.register(
+            "kv_handshakes",
+            "KV channel handshakes by result",
+            m.handshakes.clone(),
+        );
+        r.register(
+            "kv_malformed_messages",
+            "Dropped KV protocol messages by kind",
+            m.malformed.clone(),
+        );
+        r.register(
+            "kv_loop_restarts",
+            "Supervised KV loop restarts after a panic",
+            m.loop_restarts.clone(),
+        );
+        r.register(
+            "kv_peer_incarnation_changes",
+            "Peers seen with a new process incarnation",
+            m.peer_incarnation_changes.clone(),
+        );
+        r.register(
+            "kv_send_failures",
+            "KV messages that could not be sent, by reason",
+            m.send_failures.clone(),
+        );
+        r.register(
+            "kv_transfer_blocks_held",
+            "KV blocks held by rooms in transfer",
+            m.blocks_in_transfer.clone(),
+        );
+        m
+    }
+
+    pub fn room(&self, state: &str, reason: &str) {
+        let l = RoomLabels {
+            state: state.to_owned(),
+            reason: reason.to_owned(),
+        };
+        self.rooms.get_or_create(&l).inc();
+    }
+
+    pub fn malformed(&self, kind: &str) {
+        self.malformed
+            .get_or_create(&KindLabels {
+                kind: kind.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn handshake(&self, result: &str) {
+        self.handshakes
+            .get_or_create(&ResultLabels {
+                result: result.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn send_failure(&self, reason: &str) {
+        self.send_failures
+            .get_or_create(&ResultLabels {
+                result: reason.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn bytes(&self, direction: &str, n: usize) {
+        self.transfer_bytes
+            .get_or_create(&DirectionLabels {
+                direction: direction.to_owned(),
+            })
+            .inc_by(n as u64);
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
+    pub kv: KvMetrics,
     pub requests: Family<RequestLabels, Counter>,
     /// Every failed or aborted generation, by reason (queue_timeout, client_disconnected...).
     pub failures: Family<ReasonLabels, Counter>,
@@ -96,8 +244,10 @@ impl Metrics {
             "KV cache blocks free",
             kv_blocks_free.clone(),
         );
+        let kv = KvMetrics::register(&mut registry);
         Self {
             registry,
+            kv,
             requests,
             failures,
             prompt_tokens,

@@ -53,6 +53,15 @@ impl Sampler {
         }
     }
 
+    /// Consume the random draw of one sample without sampling. A decode continuing from a
+    /// first token that a prefill sampled with the same seed skips that draw, so seeded
+    /// output is the same as when one process samples every token.
+    pub fn skip_draw(&mut self) {
+        if self.params.temperature > 0.0 {
+            let _ = self.rng.random::<f32>();
+        }
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> (u32, Option<TokenLogprob>) {
         let token = if self.params.temperature <= 0.0 {
             argmax(logits)

@@ -72,12 +72,21 @@ pub enum Transfer {
     Import(Arc<ImportedKv>),
 }
 
-#[derive(Debug)]
 pub struct ImportedKv {
     /// A `model::kv_transfer` buffer holding exactly the prompt's tokens.
     pub payload: Vec<u8>,
     pub first_token: u32,
     pub first_logprob: Option<TokenLogprob>,
+}
+
+// Manual: a derived Debug would print megabytes of KV into any log of a request.
+impl std::fmt::Debug for ImportedKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImportedKv")
+            .field("payload_bytes", &self.payload.len())
+            .field("first_token", &self.first_token)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -54,6 +54,8 @@ pub struct AppState {
     pub role: &'static str,
     /// Set on SIGTERM: readiness fails so no new traffic is routed here while draining.
     pub draining: AtomicBool,
+    /// PD roles: the KV channel (readiness checks; the decode's room client).
+    pub pd: Option<crate::pd::PdRole>,
 }
 
 pub fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
@@ -223,7 +225,17 @@ fn ready(state: &AppState) -> Response<Body> {
             "detail": if draining { "shutting down: not accepting new requests" } else { "accepting requests" },
         },
     ]);
-    let ok = engine_ok && !draining;
+    let mut checks = checks;
+    let mut pd_ok = true;
+    if let Some(pd) = &state.pd {
+        for c in pd.checks() {
+            pd_ok &= c.ok;
+            if let Value::Array(a) = &mut checks {
+                a.push(json!({"name": c.name, "ok": c.ok, "detail": c.detail}));
+            }
+        }
+    }
+    let ok = engine_ok && !draining && pd_ok;
     let status = if ok {
         StatusCode::OK
     } else {

@@ -237,17 +237,26 @@ fn openai_python_client_works_unchanged() {
 }
 
 #[test]
-fn pd_roles_are_refused_clearly_for_now() {
+fn pd_roles_without_a_group_key_are_refused_clearly() {
     for role in ["prefill", "decode"] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem-dataplane"))
-            .args(["--role", role, "--port", "0", "--model"])
+            .args([
+                "--role",
+                role,
+                "--port",
+                "0",
+                "--prefill",
+                "127.0.0.1:1",
+                "--model",
+            ])
             .arg(common::model_path())
+            .env_remove("TANDEM_GROUP_KEY")
             .output()
             .unwrap();
         assert!(!out.status.success());
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
-            err.contains(&format!("role '{role}' is not implemented yet")),
+            err.contains(&format!("role '{role}' needs a group key")),
             "{err}"
         );
     }

@@ -178,9 +178,7 @@ impl Initiator {
             Message::Auth {
                 mac: sign(key, DECODE_LABEL, &t),
             },
-            PeerAuthenticated {
-                peer_incarnation,
-            },
+            PeerAuthenticated { peer_incarnation },
         ))
     }
 }
@@ -300,7 +298,10 @@ mod tests {
     #[test]
     fn good_key_authenticates_both_sides() {
         let k = GroupKey::new(*b"secret");
-        assert_eq!(handshake(&ident(1), &k, &ident(2), &k, PROTOCOL_VERSION), Ok(()));
+        assert_eq!(
+            handshake(&ident(1), &k, &ident(2), &k, PROTOCOL_VERSION),
+            Ok(())
+        );
     }
 
     #[test]
@@ -349,10 +350,18 @@ mod tests {
         let mut other_layout = ident(2);
         other_layout.layout.block_size = 32;
         let cases = [
-            (other_group, PROTOCOL_VERSION, RejectReason::IncarnationMismatch),
+            (
+                other_group,
+                PROTOCOL_VERSION,
+                RejectReason::IncarnationMismatch,
+            ),
             (other_model, PROTOCOL_VERSION, RejectReason::ModelMismatch),
             (other_layout, PROTOCOL_VERSION, RejectReason::LayoutMismatch),
-            (ident(2), PROTOCOL_VERSION + 1, RejectReason::VersionMismatch),
+            (
+                ident(2),
+                PROTOCOL_VERSION + 1,
+                RejectReason::VersionMismatch,
+            ),
         ];
         for (p, v, want) in cases {
             let e = handshake(&ident(1), &k, &p, &k, v).unwrap_err();

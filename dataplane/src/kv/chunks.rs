@@ -20,32 +20,32 @@ pub fn split(payload: &[u8]) -> Vec<KvChunk> {
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
         .unwrap_or(0);
     let body = payload.len().saturating_sub(EXPORT_HEADER);
-    let per_layer = if layers > 0 && layers <= u16::MAX as usize && body % layers == 0 {
-        body / layers
-    } else {
-        0
-    };
+    let per_layer = (layers > 0 && layers <= u16::MAX as usize && body.is_multiple_of(layers))
+        .then(|| body / layers)
+        .filter(|&n| n > 0);
     // (first layer, end layer, byte range)
     let mut ranges: Vec<(u16, u16, usize, usize)> = Vec::new();
-    if per_layer == 0 {
-        ranges.push((0, layers.min(u16::MAX as usize) as u16, 0, payload.len()));
-    } else {
-        let per_chunk = (MAX_CHUNK / per_layer).max(1);
-        let mut l = 0;
-        while l < layers {
-            let end = (l + per_chunk).min(layers);
-            let start_byte = if l == 0 {
-                0
-            } else {
-                EXPORT_HEADER + l * per_layer
-            };
-            ranges.push((
-                l as u16,
-                end as u16,
-                start_byte,
-                EXPORT_HEADER + end * per_layer,
-            ));
-            l = end;
+    match per_layer {
+        None => ranges.push((0, layers.min(u16::MAX as usize) as u16, 0, payload.len())),
+        Some(per_layer) => {
+            let per_chunk = (MAX_CHUNK / per_layer).max(1);
+            let mut l = 0;
+            while l < layers {
+                let end = (l + per_chunk).min(layers);
+                // The export header rides in front of the first chunk.
+                let start_byte = if l == 0 {
+                    0
+                } else {
+                    EXPORT_HEADER + l * per_layer
+                };
+                ranges.push((
+                    l as u16,
+                    end as u16,
+                    start_byte,
+                    EXPORT_HEADER + end * per_layer,
+                ));
+                l = end;
+            }
         }
     }
     let count = ranges.len() as u32;
@@ -139,7 +139,9 @@ impl Assembler {
             return Err(ChunkError::Checksum { got, want: c.crc32 });
         }
         if self.buf.len() as u64 + c.data.len() as u64 > self.total {
-            return Err(ChunkError::TooLarge(self.buf.len() as u64 + c.data.len() as u64));
+            return Err(ChunkError::TooLarge(
+                self.buf.len() as u64 + c.data.len() as u64,
+            ));
         }
         self.buf.extend_from_slice(&c.data);
         self.layer = c.end_layer;

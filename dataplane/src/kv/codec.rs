@@ -108,7 +108,9 @@ impl<'a> Reader<'a> {
 
     /// `n` elements of `size` bytes each must be present before anything is allocated.
     pub(super) fn check_count(&self, n: usize, size: usize) -> Result<(), DecodeError> {
-        let need = n.checked_mul(size).ok_or(DecodeError::Oversized(usize::MAX))?;
+        let need = n
+            .checked_mul(size)
+            .ok_or(DecodeError::Oversized(usize::MAX))?;
         if need > self.buf.len() {
             return Err(DecodeError::Truncated {
                 needed: need - self.buf.len(),

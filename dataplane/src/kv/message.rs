@@ -465,7 +465,9 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
             let top_k = r.u32()?;
             let top_p = r.f32()?;
             if !temperature.is_finite() || !top_p.is_finite() {
-                return Err(DecodeError::BadValue("non-finite sampling parameter".into()));
+                return Err(DecodeError::BadValue(
+                    "non-finite sampling parameter".into(),
+                ));
             }
             let has_seed = r.flag()?;
             let seed = r.u64()?;

@@ -64,8 +64,8 @@ mod tests;
 
 pub use codec::DecodeError;
 pub use message::{
-    Envelope, FailCode, Header, KvChunk, KvLayout, Message, MsgType, PrefillRequest,
-    RejectReason, WireLogprob, decode, encode,
+    Envelope, FailCode, Header, KvChunk, KvLayout, Message, MsgType, PrefillRequest, RejectReason,
+    WireLogprob, decode, encode,
 };
 
 /// Wire protocol version; bumped on any incompatible change of a payload.

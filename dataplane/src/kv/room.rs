@@ -160,7 +160,13 @@ impl<T> RoomTable<T> {
         }
     }
 
-    pub fn open(&mut self, id: u64, state: RoomState, data: T, now: Instant) -> Result<(), RoomError> {
+    pub fn open(
+        &mut self,
+        id: u64,
+        state: RoomState,
+        data: T,
+        now: Instant,
+    ) -> Result<(), RoomError> {
         if id == 0 {
             return Err(RoomError::ZeroId);
         }
@@ -212,12 +218,19 @@ impl<T> RoomTable<T> {
 
     /// Move forward to a live state (or stay, which refreshes the deadline: progress).
     pub fn advance(&mut self, id: u64, to: RoomState, now: Instant) -> Result<(), RoomError> {
-        let r = self.active.get_mut(&id).ok_or(if self.finished.contains(&id) {
-            RoomError::Finished(id)
-        } else {
-            RoomError::Unknown(id)
-        })?;
-        if to.is_terminal() || to == RoomState::Aborting || to.rank() < r.state.rank() || r.state == RoomState::Aborting {
+        let r = self
+            .active
+            .get_mut(&id)
+            .ok_or(if self.finished.contains(&id) {
+                RoomError::Finished(id)
+            } else {
+                RoomError::Unknown(id)
+            })?;
+        if to.is_terminal()
+            || to == RoomState::Aborting
+            || to.rank() < r.state.rank()
+            || r.state == RoomState::Aborting
+        {
             return Err(RoomError::Illegal {
                 id,
                 from: r.state,
@@ -232,7 +245,10 @@ impl<T> RoomTable<T> {
     /// End a live room as Done or Failed. Terminal states are sticky: a finished or
     /// unknown room yields None.
     pub fn finish(&mut self, id: u64, outcome: RoomState) -> Option<Room<T>> {
-        debug_assert!(matches!(outcome, RoomState::Done | RoomState::Failed(_) | RoomState::Aborted));
+        debug_assert!(matches!(
+            outcome,
+            RoomState::Done | RoomState::Failed(_) | RoomState::Aborted
+        ));
         let mut r = self.active.remove(&id)?;
         r.state = outcome;
         self.remember_finished(id);
@@ -309,16 +325,31 @@ mod tests {
             t.advance(1, RoomState::WaitingKv, t0),
             Err(RoomError::Illegal { .. })
         ));
-        assert!(t.advance(1, RoomState::Done, t0).is_err(), "terminal only via finish");
+        assert!(
+            t.advance(1, RoomState::Done, t0).is_err(),
+            "terminal only via finish"
+        );
         let r = t.finish(1, RoomState::Failed(FailCode::BadChunk)).unwrap();
         assert_eq!(r.state, RoomState::Failed(FailCode::BadChunk));
         // Sticky: no second finish, no progress, no reopening.
         assert!(t.finish(1, RoomState::Done).is_none());
-        assert_eq!(t.advance(1, RoomState::Transferring, t0), Err(RoomError::Finished(1)));
-        assert_eq!(t.open(1, RoomState::Bootstrap, "b", t0), Err(RoomError::Finished(1)));
-        assert_eq!(t.open(0, RoomState::Bootstrap, "z", t0), Err(RoomError::ZeroId));
+        assert_eq!(
+            t.advance(1, RoomState::Transferring, t0),
+            Err(RoomError::Finished(1))
+        );
+        assert_eq!(
+            t.open(1, RoomState::Bootstrap, "b", t0),
+            Err(RoomError::Finished(1))
+        );
+        assert_eq!(
+            t.open(0, RoomState::Bootstrap, "z", t0),
+            Err(RoomError::ZeroId)
+        );
         t.open(2, RoomState::Bootstrap, "c", t0).unwrap();
-        assert_eq!(t.open(2, RoomState::Bootstrap, "c", t0), Err(RoomError::Duplicate(2)));
+        assert_eq!(
+            t.open(2, RoomState::Bootstrap, "c", t0),
+            Err(RoomError::Duplicate(2))
+        );
     }
 
     #[test]
@@ -346,12 +377,16 @@ mod tests {
         assert_eq!(e, vec![(1, RoomState::Bootstrap)]);
         assert_eq!(e[0].1.timeout_code(), FailCode::BootstrapTimeout);
         // Progress at 4 s pushes room 2's deadline to 9 s.
-        t.advance(2, RoomState::Transferring, t0 + Duration::from_secs(4)).unwrap();
+        t.advance(2, RoomState::Transferring, t0 + Duration::from_secs(4))
+            .unwrap();
         let later = t.expired(t0 + Duration::from_secs(8));
         assert!(later.iter().all(|(id, _)| *id != 2));
         let last = t.expired(t0 + Duration::from_secs(9));
         assert!(last.contains(&(2, RoomState::Transferring)));
-        assert_eq!(RoomState::QueuedForMemory.timeout_code(), FailCode::QueueTimeout);
+        assert_eq!(
+            RoomState::QueuedForMemory.timeout_code(),
+            FailCode::QueueTimeout
+        );
     }
 
     #[test]
@@ -368,13 +403,22 @@ mod tests {
         assert_eq!(t.get(1).unwrap().state, RoomState::Aborting);
         assert!(t.advance(1, RoomState::Transferring, t0).is_err());
         let released = t.abort_acked(1).unwrap();
-        assert_eq!((released.state, released.data), (RoomState::Aborted, "blocks"));
+        assert_eq!(
+            (released.state, released.data),
+            (RoomState::Aborted, "blocks")
+        );
         assert_eq!(t.abort(1, t0), AbortOutcome::NoOp, "finished room");
         assert!(t.abort_acked(1).is_none());
-        assert_eq!(t.open(1, RoomState::Bootstrap, "again", t0), Err(RoomError::Finished(1)));
+        assert_eq!(
+            t.open(1, RoomState::Bootstrap, "again", t0),
+            Err(RoomError::Finished(1))
+        );
         // An ack that never comes expires after the abort deadline.
         t.open(9, RoomState::WaitingKv, "b", t0).unwrap();
         t.abort(9, t0);
-        assert_eq!(t.expired(t0 + Duration::from_secs(2)), vec![(9, RoomState::Aborting)]);
+        assert_eq!(
+            t.expired(t0 + Duration::from_secs(2)),
+            vec![(9, RoomState::Aborting)]
+        );
     }
 }

@@ -9,15 +9,20 @@ use super::chunks::{Assembler, ChunkError, split};
 use super::*;
 
 fn layout() -> impl Strategy<Value = KvLayout> {
-    (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>()).prop_map(
-        |(dtype, layers, kv_heads, head_dim, block_size)| KvLayout {
+    (
+        any::<u32>(),
+        any::<u32>(),
+        any::<u32>(),
+        any::<u32>(),
+        any::<u32>(),
+    )
+        .prop_map(|(dtype, layers, kv_heads, head_dim, block_size)| KvLayout {
             dtype,
             layers,
             kv_heads,
             head_dim,
             block_size,
-        },
-    )
+        })
 }
 
 fn text() -> impl Strategy<Value = String> {
@@ -88,7 +93,10 @@ fn message() -> impl Strategy<Value = Message> {
         (
             any::<u32>(),
             any::<u32>(),
-            proptest::option::of((finite(), prop::collection::vec((any::<u32>(), finite()), 0..21)))
+            proptest::option::of((
+                finite(),
+                prop::collection::vec((any::<u32>(), finite()), 0..21)
+            ))
         )
             .prop_map(|(first_token, prompt_tokens, lp)| Message::Done {
                 first_token,
@@ -242,8 +250,18 @@ fn hundred_thousand_hostile_inputs_never_panic() {
         }
     }
     // The generator reaches the interesting error kinds, not just one of them.
-    for k in ["frame_count", "bad_magic", "unknown_type", "truncated", "bad_length", "bad_room"] {
-        assert!(kinds.get(k).copied().unwrap_or(0) > 0, "{k} never hit: {kinds:?}");
+    for k in [
+        "frame_count",
+        "bad_magic",
+        "unknown_type",
+        "truncated",
+        "bad_length",
+        "bad_room",
+    ] {
+        assert!(
+            kinds.get(k).copied().unwrap_or(0) > 0,
+            "{k} never hit: {kinds:?}"
+        );
     }
     assert!(ok + kinds.values().sum::<usize>() == 100_000);
 }
@@ -271,7 +289,10 @@ fn wrong_version_is_recognised_before_the_rest_of_the_header() {
     let big = vec![0u8; MAX_PAYLOAD + 1];
     let mut h = encode(&env)[0].clone();
     h[32..36].copy_from_slice(&((MAX_PAYLOAD + 1) as u32).to_le_bytes());
-    assert_eq!(decode(&[&h, &big]), Err(DecodeError::Oversized(MAX_PAYLOAD + 1)));
+    assert_eq!(
+        decode(&[&h, &big]),
+        Err(DecodeError::Oversized(MAX_PAYLOAD + 1))
+    );
 }
 
 /// A KV buffer in the `TKV1` layout: 32-byte header (layers at 8..12), then `layers`
@@ -289,7 +310,11 @@ fn fake_export(layers: u32, per_layer: usize) -> Vec<u8> {
 fn chunks_reassemble_exactly_and_validate_order_and_checksum() {
     let p = fake_export(30, chunks::MAX_CHUNK / 4 + 3);
     let cs = split(&p);
-    assert!(cs.len() > 1 && cs.len() < 30, "several layers per chunk: {}", cs.len());
+    assert!(
+        cs.len() > 1 && cs.len() < 30,
+        "several layers per chunk: {}",
+        cs.len()
+    );
     assert_eq!(cs.last().unwrap().end_layer, 30);
     let mut a = Assembler::default();
     for (i, c) in cs.iter().enumerate() {
@@ -299,15 +324,24 @@ fn chunks_reassemble_exactly_and_validate_order_and_checksum() {
 
     // Out of order, corrupted, and oversized chunks are refused with the reason.
     let mut a = Assembler::default();
-    assert!(matches!(a.push(&cs[1], u64::MAX), Err(ChunkError::OutOfOrder { got: 1, want: 0 })));
+    assert!(matches!(
+        a.push(&cs[1], u64::MAX),
+        Err(ChunkError::OutOfOrder { got: 1, want: 0 })
+    ));
     let mut bad = cs[0].clone();
     bad.data[10] ^= 1;
-    assert!(matches!(a.push(&bad, u64::MAX), Err(ChunkError::Checksum { .. })));
+    assert!(matches!(
+        a.push(&bad, u64::MAX),
+        Err(ChunkError::Checksum { .. })
+    ));
     assert!(matches!(a.push(&cs[0], 10), Err(ChunkError::TooLarge(_))));
     a.push(&cs[0], u64::MAX).unwrap();
     let mut skipped = cs[2].clone();
     skipped.index = 1;
-    assert!(matches!(a.push(&skipped, u64::MAX), Err(ChunkError::BadOffset { .. })));
+    assert!(matches!(
+        a.push(&skipped, u64::MAX),
+        Err(ChunkError::BadOffset { .. })
+    ));
 
     // Something that is no export still travels (the importer refuses it precisely).
     let odd = split(b"hello");

@@ -2,6 +2,8 @@
 //! pass, and the `ModelRunner` implementation.
 
 mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda_runner;
 mod forward;
 pub mod kv_cache;
 mod kv_transfer;

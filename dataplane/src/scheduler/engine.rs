@@ -272,9 +272,13 @@ impl<R: ModelRunner> Engine<R> {
             } else {
                 0
             };
+            let mut sampler = Sampler::new(sub.req.sampling.clone());
+            if imported.is_some() {
+                sampler.skip_draw();
+            }
             self.running.push(Active {
                 seq,
-                sampler: Sampler::new(sub.req.sampling.clone()),
+                sampler,
                 stop: StopMatcher::new(sub.req.stop.clone()),
                 sub,
                 prefilled,

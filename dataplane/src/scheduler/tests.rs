@@ -30,6 +30,7 @@ struct Collected {
     text: String,
     done: Option<(FinishReason, Usage)>,
     failed: Option<(FailReason, String)>,
+    exported: Option<Vec<u8>>,
 }
 
 fn collect(mut rx: tmpsc::Receiver<GenEvent>) -> Collected {
@@ -49,7 +50,10 @@ fn collect(mut rx: tmpsc::Receiver<GenEvent>) -> Collected {
                 c.done = Some((reason, usage));
             }
             GenEvent::Failed { reason, message } => c.failed = Some((reason, message)),
-            GenEvent::KvExported(_) => panic!("no request here asks for a KV export"),
+            GenEvent::KvExported(p) => {
+                assert!(c.done.is_none(), "the export comes before Done");
+                c.exported = Some(p);
+            }
         }
     }
     c
@@ -323,4 +327,61 @@ fn seeded_sampling_is_reproducible_through_the_engine() {
     };
     assert_eq!(run(1), run(1));
     assert_ne!(run(1), run(2));
+}
+
+/// PD in miniature: one engine prefills and exports (max_tokens 1), another imports the KV
+/// and continues from the first token; the result equals one engine doing everything, and
+/// both give their blocks back.
+#[test]
+fn export_then_import_continues_exactly_like_one_engine() {
+    let prompt = prompts()[3].clone();
+    let (r, _) = fake(1000);
+    let (h, _) = start(r, SchedulerConfig::default());
+    let whole = collect(h.submit(req(prompt.clone(), 10)).unwrap());
+
+    let (r, prefill_st) = fake(1000);
+    let (prefill, _) = start(r, SchedulerConfig::default());
+    let mut pre = req(prompt.clone(), 1);
+    pre.transfer = Transfer::Export;
+    let p = collect(prefill.submit(pre).unwrap());
+    let payload = p.exported.expect("KV exported");
+    assert_eq!(payload.len(), prompt.len() * 4, "exactly the prompt's KV");
+    assert_eq!(p.ids, whole.ids[..1]);
+    wait_until("prefill blocks freed", || {
+        prefill_st.lock().unwrap().used() == 0
+    });
+
+    let (r, decode_st) = fake(1000);
+    let (decode, _) = start(r, SchedulerConfig::default());
+    let mut dec = req(prompt.clone(), 10);
+    dec.transfer = Transfer::Import(Arc::new(ImportedKv {
+        payload,
+        first_token: p.ids[0],
+        first_logprob: None,
+    }));
+    let d = collect(decode.submit(dec).unwrap());
+    assert_eq!(d.ids, whole.ids);
+    assert_eq!(d.text, whole.text);
+    assert_eq!(d.done, whole.done);
+    assert!(d.exported.is_none());
+    // The decode never ran the prompt: only single-token steps.
+    let log = decode_st.lock().unwrap().log.clone();
+    assert!(log.iter().flatten().all(|&(_, n, _)| n == 1), "{log:?}");
+    wait_until("decode blocks freed", || {
+        decode_st.lock().unwrap().used() == 0
+    });
+
+    // A payload that does not fit fails the request with the KV reason, holding nothing.
+    let mut bad = req(prompt, 4);
+    bad.transfer = Transfer::Import(Arc::new(ImportedKv {
+        payload: vec![1, 2, 3],
+        first_token: 5,
+        first_logprob: None,
+    }));
+    let f = collect(decode.submit(bad).unwrap());
+    assert_eq!(f.failed.map(|x| x.0), Some(FailReason::KvTransfer));
+    assert!(f.ids.is_empty());
+    wait_until("blocks freed after a failed import", || {
+        decode_st.lock().unwrap().used() == 0
+    });
 }

@@ -13,7 +13,8 @@ use super::api_error::ApiError;
 use super::output::{Kind, Shape, logprobs_json};
 use super::params::{self, Common, Prompt};
 use super::{AppState, Body, json_response};
-use crate::scheduler::{GenEvent, GenerateRequest};
+use crate::pd::PdRole;
+use crate::scheduler::{FailReason, GenEvent, GenerateRequest, Transfer};
 
 type R<T> = std::result::Result<T, ApiError>;
 
@@ -108,13 +109,29 @@ async fn generate(
         Some(n) => n,
         None => state.default_max_tokens.min(room),
     };
+    // Decode role: the prompt runs on a prefill first; its KV and first token arrive
+    // through a room. Dropping this future (client gone) aborts the room.
+    let transfer = match &state.pd {
+        Some(PdRole::Decode(d)) => match d.prefill(&prompt, &c.sampling).await {
+            Ok(kv) => Transfer::Import(Arc::new(kv)),
+            Err(f) => {
+                state.metrics.fail(FailReason::KvTransfer.label());
+                return Err(ApiError::server(
+                    http::StatusCode::SERVICE_UNAVAILABLE,
+                    f.code.label(),
+                    f.message,
+                ));
+            }
+        },
+        _ => Transfer::None,
+    };
     let req = GenerateRequest {
         prompt,
         max_tokens,
         sampling: c.sampling,
         stop: c.stop,
         stop_token_ids: state.tokenizer.end_of_generation().to_vec(),
-        transfer: Default::default(),
+        transfer,
     };
     let mut rx = state.engine.submit(req).map_err(ApiError::from_submit)?;
     // Wait for the first event before answering, so that failures before the first token

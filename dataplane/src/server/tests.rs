@@ -81,6 +81,7 @@ fn start_with(blocks: usize, cfg: SchedulerConfig) -> TestServer {
         max_heartbeat_age: Duration::from_secs(5),
         role: "both",
         draining: AtomicBool::new(false),
+        pd: None,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -137,6 +137,32 @@ impl ModelRunner for FakeRunner {
             blocks_used: st.used(),
         }
     }
+    /// The toy's "KV" is its token history, as little-endian u32s.
+    fn export_kv(&self, seq: SeqId) -> Result<Vec<u8>> {
+        let st = self.lock();
+        let s = st
+            .seqs
+            .get(&seq)
+            .ok_or_else(|| Error::InvalidInput(format!("export of unknown {seq:?}")))?;
+        Ok(s.1.iter().flat_map(|t| t.to_le_bytes()).collect())
+    }
+    fn import_kv(&mut self, seq: SeqId, payload: &[u8]) -> Result<()> {
+        if !payload.len().is_multiple_of(4) {
+            return Err(Error::KvTransfer("toy KV is whole u32s".into()));
+        }
+        let hist: Vec<u32> = payload
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        self.reserve(seq, hist.len())?;
+        let mut st = self.lock();
+        let s = st.seqs.entry(seq).or_default();
+        if !s.1.is_empty() {
+            return Err(Error::KvTransfer(format!("{seq:?} already holds tokens")));
+        }
+        s.1 = hist;
+        Ok(())
+    }
 }
 
 /// Token id -> one letter.

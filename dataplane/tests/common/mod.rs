@@ -41,43 +41,89 @@ pub struct Server {
     pub log: PathBuf,
 }
 
+/// A free TCP port on 127.0.0.1 (free when asked; tests use it at once).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 impl Server {
-    /// Start the binary on a free port and wait until `/ready` answers 200.
+    /// Start the binary (`--role both`) on a free port and wait until `/ready` answers 200.
     pub fn start(extra: &[&str]) -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let log = std::env::temp_dir().join(format!("tandem-dataplane-{port}.log"));
-        let log_file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_tandem-dataplane"))
-            .args([
-                "--role",
-                "both",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-            ])
-            .arg("--model")
-            .arg(model_path())
-            .args(["--kv-blocks", "256", "--log-format", "json"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(log_file)
-            .spawn()
-            .expect("spawn tandem-dataplane");
-        let mut s = Self {
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
-            child,
-            log,
-        };
+        let mut s = Self::spawn(&["--role", "both"], extra, &[]);
         s.wait_ready();
         s
     }
 
-    fn wait_ready(&mut self) {
+    /// Start the binary with `role_args` (e.g. `--role decode --prefill ...`) and `env`
+    /// on a free HTTP port; does not wait.
+    pub fn spawn(role_args: &[&str], extra: &[&str], env: &[(&str, &str)]) -> Self {
+        let port = free_port();
+        let log = std::env::temp_dir().join(format!("tandem-dataplane-{port}.log"));
+        let log_file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_tandem-dataplane"))
+            .args(role_args)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .arg("--model")
+            .arg(model_path())
+            .args(["--kv-blocks", "256", "--log-format", "json"])
+            .args(extra)
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .expect("spawn tandem-dataplane");
+        Self {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            child,
+            log,
+        }
+    }
+
+    /// Send a signal to the child (by pid, with `kill`: the crate forbids unsafe code).
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([&format!("-{sig}"), &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{sig} failed");
+    }
+
+    /// Whether `/ready` answers 200 now (false when the server does not answer).
+    pub fn is_ready(&self) -> bool {
+        let Ok(s) = std::net::TcpStream::connect(self.addr) else {
+            return false;
+        };
+        drop(s);
+        request(self.addr, "GET", "/ready", None).status == 200
+    }
+
+    /// Poll `cond` every 50 ms until it holds; the elapsed time, or a panic at `timeout`.
+    pub fn wait_for(
+        &self,
+        what: &str,
+        timeout: Duration,
+        cond: impl Fn(&Self) -> bool,
+    ) -> Duration {
+        let start = Instant::now();
+        loop {
+            if cond(self) {
+                return start.elapsed();
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "{what}: not reached in {timeout:?}; log:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             if let Some(st) = self.child.try_wait().unwrap() {
@@ -152,4 +198,42 @@ impl Drop for Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Protocol settings shared by the PD tests: short probe period so the suite stays fast.
+pub const GROUP_KEY: &str = "test-group-key";
+
+pub fn pd_env(extra: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
+    let mut env = vec![
+        ("TANDEM_GROUP_KEY", GROUP_KEY),
+        ("TANDEM_GROUP_INCARNATION", "7"),
+        ("TANDEM_PROBE_PERIOD_SECONDS", "1"),
+        ("TANDEM_FAILURE_THRESHOLD", "2"),
+        ("TANDEM_BOOTSTRAP_TIMEOUT_SECONDS", "3"),
+        ("TANDEM_KV_TIMEOUT_SECONDS", "30"),
+    ];
+    for (k, v) in extra {
+        env.retain(|(ek, _)| ek != k);
+        env.push((k, v));
+    }
+    env
+}
+
+/// A prefill on `kv_port`, ready.
+pub fn start_prefill(kv_port: u16, env: &[(&str, &str)]) -> Server {
+    let port = kv_port.to_string();
+    let mut s = Server::spawn(&["--role", "prefill", "--kv-port", &port], &[], env);
+    s.wait_ready();
+    s
+}
+
+/// A decode against the prefills at `kv_ports` on localhost; waits for readiness when asked.
+pub fn start_decode(kv_ports: &[u16], env: &[(&str, &str)], wait: bool) -> Server {
+    let peers: Vec<String> = kv_ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let peers = peers.join(",");
+    let mut s = Server::spawn(&["--role", "decode", "--prefill", &peers], &[], env);
+    if wait {
+        s.wait_ready();
+    }
+    s
 }

@@ -1,0 +1,53 @@
+//! ZeroMQ plumbing shared by both roles: socket options and bounded, non-blocking sends.
+
+use crate::kv::{Envelope, HEADER_LEN, MAX_PAYLOAD, encode};
+
+/// Messages queued per peer before sends fail fast instead of growing memory.
+const HWM: i32 = 10_000;
+/// Longest a loop waits in `poll` before going round (heartbeat, deadlines, commands).
+pub(super) const POLL_MS: i64 = 10;
+/// Most inbound messages handled per loop iteration, so timers still run under a flood.
+pub(super) const RECV_BATCH: usize = 256;
+
+pub(super) fn configure(sock: &zmq::Socket) -> zmq::Result<()> {
+    sock.set_linger(0)?;
+    sock.set_sndhwm(HWM)?;
+    sock.set_rcvhwm(HWM)?;
+    // libzmq drops any inbound frame above this size before we ever see it.
+    sock.set_maxmsgsize((MAX_PAYLOAD + HEADER_LEN) as i64)?;
+    Ok(())
+}
+
+/// Send without blocking; `route` is the ROUTER's peer id. Errors are returned (and
+/// counted by the caller under `send_error_label`).
+pub(super) fn send(sock: &zmq::Socket, route: Option<&[u8]>, env: &Envelope) -> zmq::Result<usize> {
+    let [h, p] = encode(env);
+    let n = p.len();
+    match route {
+        Some(r) => sock.send_multipart([r, h.as_slice(), p.as_slice()], zmq::DONTWAIT)?,
+        None => sock.send_multipart([h.as_slice(), p.as_slice()], zmq::DONTWAIT)?,
+    }
+    Ok(n)
+}
+
+pub(super) fn send_error_label(e: zmq::Error) -> &'static str {
+    match e {
+        zmq::Error::EAGAIN => "queue_full_or_disconnected",
+        zmq::Error::EHOSTUNREACH => "peer_unreachable",
+        _ => "socket_error",
+    }
+}
+
+/// Next inbound multipart message, if any, without blocking.
+pub(super) fn try_recv(sock: &zmq::Socket) -> Option<Vec<Vec<u8>>> {
+    sock.recv_multipart(zmq::DONTWAIT).ok()
+}
+
+/// Wait up to `POLL_MS` for input.
+pub(super) fn wait_readable(sock: &zmq::Socket) {
+    let _ = sock.poll(zmq::POLLIN, POLL_MS);
+}
+
+pub(super) fn hex_id(id: &[u8]) -> String {
+    hex::encode(id)
+}

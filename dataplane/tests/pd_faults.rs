@@ -1,0 +1,214 @@
+//! PD fault handling with real processes: a frozen prefill (SIGSTOP), a prefill restarted on
+//! the same address, and a decode handshaking with a fake prefill that does not know the key.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{MODEL_NAME, Server, free_port, pd_env, start_decode, start_prefill};
+use serde_json::json;
+use tandem_dataplane::kv::{self, Envelope, Message, RejectReason};
+
+fn completion_body(prompt: &str) -> String {
+    json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0}).to_string()
+}
+
+fn text_of(r: &common::HttpResponse) -> String {
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["choices"][0]["text"].as_str().unwrap().to_owned()
+}
+
+#[test]
+fn frozen_then_restarted_prefill_is_detected_and_recovered_without_restarting_the_decode() {
+    let env = pd_env(&[]);
+    let kv = free_port();
+    let prefill = start_prefill(kv, &env);
+    let decode = start_decode(&[kv], &env, true);
+    let decode_pid = decode.child.id();
+    let prompt = "The capital of France is";
+    let baseline = text_of(&decode.post(
+        "/v1/completions",
+        &serde_json::from_str(&completion_body(prompt)).unwrap(),
+    ));
+
+    // 1. SIGSTOP: the decode goes not-ready within failure_threshold x probe_period (2 s),
+    //    plus one probe period of phase and polling slack.
+    prefill.signal("STOP");
+    let stopped_at = Instant::now();
+    let addr = decode.addr;
+    // A request sent while frozen waits (kv timeout 30 s) and completes after SIGCONT.
+    let waiting = std::thread::spawn(move || {
+        common::request(
+            addr,
+            "POST",
+            "/v1/completions",
+            Some(&completion_body(prompt)),
+        )
+    });
+    decode.wait_for(
+        "not ready while the prefill is frozen",
+        Duration::from_secs(4),
+        |s| !s.is_ready(),
+    );
+    assert!(
+        stopped_at.elapsed() <= Duration::from_millis(3500),
+        "{:?}",
+        stopped_at.elapsed()
+    );
+    let body = decode.get("/ready").json();
+    let probe = body["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"].as_str().unwrap().starts_with("probe"))
+        .unwrap();
+    assert_eq!(probe["ok"], false, "{body}");
+    // While not ready, new requests are refused at once with the reason (no healthy peer).
+    let r = decode.post(
+        "/v1/completions",
+        &serde_json::from_str(&completion_body(prompt)).unwrap(),
+    );
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "no_peer");
+
+    prefill.signal("CONT");
+    decode.wait_for(
+        "ready after SIGCONT",
+        Duration::from_secs(4),
+        Server::is_ready,
+    );
+    assert_eq!(
+        text_of(&waiting.join().unwrap()),
+        baseline,
+        "the frozen room finished after SIGCONT"
+    );
+
+    // 2. Restart on the same address while a room is in flight: freeze it, send, kill it,
+    //    start a new prefill there. The room fails with PeerRestarted; the decode
+    //    re-handshakes by itself and serves again, same process.
+    prefill.signal("STOP");
+    let in_flight = std::thread::spawn(move || {
+        common::request(
+            addr,
+            "POST",
+            "/v1/completions",
+            Some(&completion_body(prompt)),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    drop(prefill); // SIGKILL + wait
+    let prefill2 = start_prefill(kv, &env);
+    let r = in_flight.join().unwrap();
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "peer_restarted", "{}", r.body);
+    decode.wait_for(
+        "ready with the new prefill",
+        Duration::from_secs(10),
+        Server::is_ready,
+    );
+    assert_eq!(
+        text_of(&decode.post(
+            "/v1/completions",
+            &serde_json::from_str(&completion_body(prompt)).unwrap()
+        )),
+        baseline
+    );
+    assert_eq!(decode.child.id(), decode_pid);
+    assert_eq!(
+        decode.metric("tandem_kv_peer_incarnation_changes_total "),
+        1.0
+    );
+    assert_eq!(
+        decode.metric("tandem_kv_rooms_total{state=\"failed\",reason=\"peer_restarted\"} "),
+        1.0
+    );
+    assert_eq!(
+        decode.metric("tandem_kv_handshakes_total{result=\"ok\"} "),
+        2.0
+    );
+    assert_eq!(
+        prefill2.metric("tandem_kv_handshakes_total{result=\"ok\"} "),
+        1.0
+    );
+    // The failure was logged once with room, peer, incarnation and reason.
+    let log = decode.log_text();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("room failed") && l.contains("peer_restarted"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    for field in ["\"room\"", "\"peer\"", "\"peer_incarnation\"", "\"reason\""] {
+        assert!(lines[0].contains(field), "{}", lines[0]);
+    }
+}
+
+/// A fake prefill (a ROUTER in this test) that answers HELLO with a WELCOME signed by the
+/// wrong key: the decode refuses it (AuthFailed), stays not-ready, and tells the peer why.
+#[test]
+fn decode_refuses_a_prefill_that_cannot_prove_the_key() {
+    let env = pd_env(&[]);
+    let kv = free_port();
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).unwrap();
+    router.set_rcvtimeo(10_000).unwrap();
+    router.bind(&format!("tcp://127.0.0.1:{kv}")).unwrap();
+    let decode = start_decode(&[kv], &env, false);
+    let frames = router.recv_multipart(0).expect("decode sends HELLO");
+    let hello = kv::decode(&[&frames[1], &frames[2]]).unwrap();
+    let Message::Hello {
+        fingerprint,
+        layout,
+        nonce,
+    } = &hello.msg
+    else {
+        panic!("expected HELLO, got {hello:?}");
+    };
+    assert_eq!(hello.group_incarnation, 7);
+    let wrong = kv::auth::GroupKey::new(*b"not the group key");
+    let me = kv::auth::LocalIdentity {
+        incarnation: 42,
+        group_incarnation: 7,
+        fingerprint: fingerprint.clone(),
+        layout: *layout,
+    };
+    let (welcome, _) = kv::auth::respond_hello(
+        &me,
+        &wrong,
+        kv::PROTOCOL_VERSION,
+        hello.incarnation,
+        7,
+        &hello.msg,
+        [9; 32],
+    )
+    .unwrap();
+    let _ = nonce;
+    let [h, p] = kv::encode(&Envelope {
+        incarnation: 42,
+        group_incarnation: 7,
+        room: 0,
+        msg: welcome,
+    });
+    router
+        .send_multipart([frames[0].as_slice(), &h, &p], 0)
+        .unwrap();
+    let reply = router.recv_multipart(0).expect("decode answers");
+    let reject = kv::decode(&[&reply[1], &reply[2]]).unwrap();
+    assert!(
+        matches!(
+            reject.msg,
+            Message::Reject {
+                reason: RejectReason::AuthFailed,
+                ..
+            }
+        ),
+        "{reject:?}"
+    );
+    decode.wait_for("decode is up", Duration::from_secs(60), |s| {
+        std::net::TcpStream::connect(s.addr).is_ok() && s.get("/health").status == 200
+    });
+    decode.wait_for("auth failure counted", Duration::from_secs(5), |s| {
+        s.metric("tandem_kv_handshakes_total{result=\"auth_failed\"} ") >= 1.0
+    });
+    assert!(!decode.is_ready());
+    assert_eq!(decode.get("/health").status, 200, "liveness is unaffected");
+}

@@ -1,0 +1,248 @@
+//! End-to-end PD serving: real prefill and decode processes, real ZeroMQ, the real model.
+
+mod common;
+
+use std::io::BufReader;
+use std::time::Duration;
+
+use common::http_client::{read_chunk, read_head, send};
+use common::{MODEL_NAME, Server, free_port, pd_env, start_decode, start_prefill};
+use serde_json::{Value, json};
+
+/// Greedy completion: (token strings with their logprobs, text, finish reason).
+fn greedy(s: &Server, prompt: &str, max_tokens: u32) -> (Vec<(String, f64)>, String, Value) {
+    let r = s.post(
+        "/v1/completions",
+        &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "logprobs": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let lp = &v["choices"][0]["logprobs"];
+    let toks = lp["tokens"].as_array().unwrap();
+    let lps = lp["token_logprobs"].as_array().unwrap();
+    let pairs: Vec<(String, f64)> = toks
+        .iter()
+        .zip(lps)
+        .map(|(t, l)| (t.as_str().unwrap().to_owned(), l.as_f64().unwrap()))
+        .collect();
+    assert!(!pairs.is_empty());
+    (
+        pairs,
+        v["choices"][0]["text"].as_str().unwrap().to_owned(),
+        v["choices"][0]["finish_reason"].clone(),
+    )
+}
+
+fn chat_stream_text(s: &Server, content: &str, max_tokens: u32) -> String {
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let data = r.sse_data();
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect()
+}
+
+#[test]
+fn pd_greedy_output_equals_colocated_token_for_token() {
+    let env = pd_env(&[]);
+    let kv = free_port();
+    let prefill = start_prefill(kv, &env);
+    let decode = start_decode(&[kv], &env, true);
+    let both = Server::start(&[]);
+    let prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        // Longer than one prefill chunk at --chunk-size 256? Not needed: several layers per
+        // KV chunk are exercised by any prompt; this one just differs in length.
+        "Once upon a time, in a land far away, there lived a dragon who loved to read books about",
+    ];
+    for p in prompts {
+        let (pd_toks, pd_text, pd_fin) = greedy(&decode, p, 16);
+        let (b_toks, b_text, b_fin) = greedy(&both, p, 16);
+        assert_eq!(
+            pd_toks.iter().map(|t| &t.0).collect::<Vec<_>>(),
+            b_toks.iter().map(|t| &t.0).collect::<Vec<_>>(),
+            "prompt {p:?}"
+        );
+        // Same numbers too (the first token's logprob is computed on the prefill).
+        for (a, b) in pd_toks.iter().zip(&b_toks) {
+            assert!((a.1 - b.1).abs() < 1e-3, "{p:?}: {a:?} vs {b:?}");
+        }
+        assert_eq!((pd_text, pd_fin), (b_text, b_fin));
+    }
+    // Seeded sampling continues the same random stream across the two processes.
+    let seeded = json!({"model": MODEL_NAME, "prompt": "My favourite fruit is", "max_tokens": 12,
+                        "temperature": 0.9, "seed": 42});
+    let texts: Vec<String> = [&decode, &both]
+        .iter()
+        .map(|s| {
+            let r = s.post("/v1/completions", &seeded);
+            assert_eq!(r.status, 200, "{}", r.body);
+            r.json()["choices"][0]["text"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(texts[0], texts[1]);
+    for q in ["What is the capital of France?", "Name three colors."] {
+        assert_eq!(
+            chat_stream_text(&decode, q, 12),
+            chat_stream_text(&both, q, 12)
+        );
+    }
+    // The KV really moved through rooms: one per request, all done, bytes both ways.
+    let rooms = decode.metric("tandem_kv_rooms_total{state=\"done\",reason=\"none\"} ");
+    assert_eq!(rooms, 6.0);
+    assert_eq!(
+        prefill.metric("tandem_kv_rooms_total{state=\"done\",reason=\"none\"} "),
+        6.0
+    );
+    let sent = prefill.metric("tandem_kv_transfer_bytes_total{direction=\"sent\"} ");
+    let received = decode.metric("tandem_kv_transfer_bytes_total{direction=\"received\"} ");
+    assert!(sent > 10_000.0 && sent == received, "{sent} vs {received}");
+    // The decode never prefilled a prompt itself.
+    assert_eq!(decode.metric("tandem_prompt_tokens_total "), 0.0);
+    assert!(prefill.metric("tandem_prompt_tokens_total ") > 50.0);
+    assert_eq!(
+        decode.metric("tandem_kv_handshakes_total{result=\"ok\"} "),
+        1.0
+    );
+    assert!(decode.metric("tandem_kv_ping_rtt_seconds_count ") >= 1.0);
+    // Both sides hold no KV once the requests are over.
+    assert_eq!(decode.metric("tandem_kv_blocks_used "), 0.0);
+    assert_eq!(prefill.metric("tandem_kv_blocks_used "), 0.0);
+}
+
+#[test]
+fn decode_restart_against_a_long_running_prefill() {
+    let env = pd_env(&[]);
+    let kv = free_port();
+    let prefill = start_prefill(kv, &env);
+    let d1 = start_decode(&[kv], &env, true);
+    let first = greedy(&d1, "The three primary colors are", 8);
+    drop(d1); // killed
+    let d2 = start_decode(&[kv], &env, true);
+    assert_eq!(greedy(&d2, "The three primary colors are", 8), first);
+    // The prefill authenticated two decode processes and never restarted.
+    assert_eq!(
+        prefill.metric("tandem_kv_handshakes_total{result=\"ok\"} "),
+        2.0
+    );
+    assert!(prefill.is_ready());
+}
+
+#[test]
+fn two_prefills_share_rooms_and_each_gates_readiness() {
+    let env = pd_env(&[]);
+    let (kv1, kv2) = (free_port(), free_port());
+    let p1 = start_prefill(kv1, &env);
+    let p2 = start_prefill(kv2, &env);
+    let decode = start_decode(&[kv1, kv2], &env, true);
+    let out: Vec<_> = (0..4)
+        .map(|_| greedy(&decode, "Water boils at", 4))
+        .collect();
+    assert!(
+        out.windows(2).all(|w| w[0] == w[1]),
+        "same output from either prefill"
+    );
+    for p in [&p1, &p2] {
+        assert!(
+            p.metric("tandem_kv_rooms_opened_total ") >= 1.0,
+            "idle peers share the work"
+        );
+    }
+    // Losing one prefill makes the decode not-ready (every configured peer must be
+    // healthy), but requests keep going to the healthy one.
+    drop(p2);
+    decode.wait_for("not ready without prefill 2", Duration::from_secs(4), |s| {
+        !s.is_ready()
+    });
+    let ready = decode.get("/ready").json();
+    let failing: Vec<&str> = ready["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["ok"] == false)
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        !failing.is_empty() && failing.iter().all(|n| n.ends_with(&format!(":{kv2}"))),
+        "{ready}"
+    );
+    let before = p1.metric("tandem_kv_rooms_opened_total ");
+    assert_eq!(greedy(&decode, "Water boils at", 4), out[0]);
+    assert_eq!(p1.metric("tandem_kv_rooms_opened_total "), before + 1.0);
+}
+
+#[test]
+fn abort_cascade_frees_blocks_on_both_sides() {
+    let env = pd_env(&[]);
+    let kv = free_port();
+    let prefill = start_prefill(kv, &env);
+    let decode = start_decode(&[kv], &env, true);
+    let long = "Tell me everything about dragons, castles and knights. ".repeat(8);
+    let n = 8;
+    // Half the clients vanish right after sending (their rooms are still in prefill), half
+    // after the first streamed chunks (their sequences are decoding).
+    let streams: Vec<_> = (0..n)
+        .map(|i| {
+            let body = json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": format!("{i} {long}")}],
+                              "max_tokens": 200, "temperature": 0, "stream": true})
+            .to_string();
+            send(decode.addr, "POST", "/v1/chat/completions", Some(&body))
+        })
+        .collect();
+    let mut read_some = 0;
+    for (i, s) in streams.into_iter().enumerate() {
+        if i % 2 == 0 {
+            drop(s);
+            continue;
+        }
+        let mut r = BufReader::new(s);
+        let (status, _) = read_head(&mut r);
+        if status == 200 && read_chunk(&mut r).is_some() {
+            read_some += 1;
+        }
+        drop(r);
+    }
+    assert!(
+        read_some > 0,
+        "some streams got going before their client left"
+    );
+    let freed = |s: &Server| {
+        s.metric("tandem_kv_blocks_used ") == 0.0 && s.metric("tandem_requests_running ") == 0.0
+    };
+    decode.wait_for("decode blocks freed", Duration::from_secs(60), freed);
+    prefill.wait_for("prefill blocks freed", Duration::from_secs(60), freed);
+    // No room left in transfer; every room ended (done, or aborted and acknowledged).
+    let peer = format!("tandem_kv_transfer_blocks_held{{peer=\"127.0.0.1:{kv}\"}} ");
+    decode.wait_for("rooms drained", Duration::from_secs(10), |s| {
+        s.metric(&peer) == 0.0
+    });
+    // (A client may vanish before its handler opened a room, hence "opened", not n.)
+    for s in [&decode, &prefill] {
+        let opened = s.metric("tandem_kv_rooms_opened_total ");
+        let done = s.metric("tandem_kv_rooms_total{state=\"done\",reason=\"none\"} ");
+        let aborted = s.metric("tandem_kv_rooms_total{state=\"aborted\",reason=\"client_abort\"} ");
+        let body = s.get("/metrics").body;
+        assert!(opened >= 1.0 && opened <= n as f64, "{body}");
+        assert_eq!(done + aborted, opened, "{body}");
+        assert!(!body.contains("state=\"failed\""), "{body}");
+    }
+    let t = decode.wait_for("decode ready", Duration::from_secs(1), Server::is_ready);
+    assert!(t <= Duration::from_secs(1));
+    assert!(prefill.is_ready());
+    // And it still serves.
+    let (toks, _, _) = greedy(&decode, "1, 2, 3, 4,", 4);
+    assert!(!toks.is_empty());
+}
