@@ -63,7 +63,7 @@ fn matmul_matches_reference_for_every_type_and_batch_size() {
             for r in 0..rows {
                 dequantize_row(ty, m.row(r), &mut deq[r * cols..(r + 1) * cols]).unwrap();
             }
-            for n_tok in [1usize, 2, 3, 4, 5, 9, 17] {
+            for n_tok in [1usize, 2, 3, 4, 5, 8, 9, 16, 17, 24, 33, 35] {
                 let x = rng.vec(n_tok * cols, 2.0);
                 let mut want = vec![0f32; n_tok * rows];
                 ScalarKernels
@@ -81,6 +81,42 @@ fn matmul_matches_reference_for_every_type_and_batch_size() {
                             assert!(
                                 (a - b).abs() <= 1e-5 * mag + 1e-6,
                                 "{name} {ty} {rows}x{cols} T={n_tok} t={t} r={r}: {a} vs {b} (mag {mag})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Every token of a batch gets exactly the bits it gets alone (batched decoding must
+/// reproduce sequential decoding), for every tile shape and remainder of the batch kernel.
+#[test]
+fn batched_matmul_is_bit_identical_to_single_token() {
+    let mut rng = Rng(23);
+    for ty in GgmlType::ALL {
+        for &(rows, cols) in &[(37usize, 64usize), (130, 576), (16, 1536)] {
+            let w = rng.vec(rows * cols, 0.5);
+            let bytes = encode(ty, rows, cols, &w);
+            let m = Matrix::new(ty, rows, cols, &bytes).unwrap();
+            for n_tok in [2usize, 3, 7, 8, 9, 16, 17, 23, 32, 35] {
+                let x = rng.vec(n_tok * cols, 2.0);
+                for (name, k) in backends() {
+                    let mut batch = vec![f32::NAN; n_tok * rows];
+                    k.matmul(&[m], &x, n_tok, &mut [&mut batch]).unwrap();
+                    for t in 0..n_tok {
+                        let mut one = vec![f32::NAN; rows];
+                        k.matmul(&[m], &x[t * cols..(t + 1) * cols], 1, &mut [&mut one])
+                            .unwrap();
+                        let got = &batch[t * rows..(t + 1) * rows];
+                        for r in 0..rows {
+                            assert_eq!(
+                                got[r].to_bits(),
+                                one[r].to_bits(),
+                                "{name} {ty} {rows}x{cols} T={n_tok} t={t} r={r}: {} vs {}",
+                                got[r],
+                                one[r]
                             );
                         }
                     }

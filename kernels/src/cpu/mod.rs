@@ -19,7 +19,7 @@ use crate::rope::RopeTable;
 use crate::types::{GgmlType, QK};
 
 #[cfg(target_arch = "x86_64")]
-use simd::Avx2;
+use simd::{Avx2, Interleaved, TileScratch};
 
 /// Stand-in on other architectures: never constructed, so the scalar paths run.
 #[cfg(not(target_arch = "x86_64"))]
@@ -29,12 +29,18 @@ enum Avx2 {}
 /// Per-thread scratch reused across calls so the hot loops never allocate.
 #[derive(Default)]
 struct Scratch {
-    w: Vec<i8>,
-    d: Vec<f32>,
-    m: Vec<f32>,
+    #[cfg(target_arch = "x86_64")]
+    tile: TileScratch,
     f: Vec<f32>,
     f2: Vec<f32>,
+    offs: Vec<usize>,
 }
+
+/// Activations of a batch as the batch kernel wants them.
+#[cfg(target_arch = "x86_64")]
+type BatchActs = Option<Interleaved>;
+#[cfg(not(target_arch = "x86_64"))]
+type BatchActs = Option<()>;
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
@@ -165,11 +171,7 @@ impl CpuKernels {
     ) -> f32 {
         let row = w.row(r);
         if self.uses_q8(w) {
-            return match self.simd {
-                #[cfg(target_arch = "x86_64")]
-                Some(s) => s.dot_q(w.ty, row, act),
-                _ => vec_dot_q8(w.ty, row, act),
-            };
+            return vec_dot_q8(w.ty, row, act);
         }
         grow(&mut sc.f, w.cols);
         let buf = &mut sc.f[..w.cols];
@@ -186,6 +188,7 @@ impl CpuKernels {
         r0: usize,
         nr: usize,
         act: &[BlockQ8],
+        il: &BatchActs,
         x: &[f32],
         n_tok: usize,
         out: &mut [f32],
@@ -193,50 +196,11 @@ impl CpuKernels {
         let cols = w.cols;
         SCRATCH.with_borrow_mut(|sc| {
             #[cfg(target_arch = "x86_64")]
-            if let (Some(s), true) = (self.simd, self.uses_q8(w)) {
-                let nb = cols / QK;
-                grow(&mut sc.w, nr * cols);
-                grow(&mut sc.d, nr * nb);
-                grow(&mut sc.m, nr * nb);
-                for i in 0..nr {
-                    s.unpack(
-                        w.ty,
-                        w.row(r0 + i),
-                        &mut sc.w[i * cols..(i + 1) * cols],
-                        &mut sc.d[i * nb..(i + 1) * nb],
-                        &mut sc.m[i * nb..(i + 1) * nb],
-                    );
-                }
-                let signed = w.ty != GgmlType::Q4_1;
-                let a = |t: usize| &act[t * nb..(t + 1) * nb];
-                let mut t = 0;
-                while t < n_tok {
-                    let four = t + 4 <= n_tok;
-                    for i in 0..nr {
-                        let (wr, dr, mr) = (
-                            &sc.w[i * cols..(i + 1) * cols],
-                            &sc.d[i * nb..(i + 1) * nb],
-                            &sc.m[i * nb..(i + 1) * nb],
-                        );
-                        if four {
-                            let v = s.dot_unpacked_x4(
-                                signed,
-                                wr,
-                                dr,
-                                mr,
-                                [a(t), a(t + 1), a(t + 2), a(t + 3)],
-                            );
-                            for (k, val) in v.into_iter().enumerate() {
-                                out[(t + k) * nr + i] = val;
-                            }
-                        } else {
-                            out[t * nr + i] = s.dot_unpacked_x1(signed, wr, dr, mr, a(t));
-                        }
-                    }
-                    t += if four { 4 } else { 1 };
-                }
+            if let (Some(s), Some(il), true) = (self.simd, il, self.uses_q8(w)) {
+                s.gemm_rows(w.ty, w.data, w.row_bytes(), r0, il, &mut sc.tile, out);
                 return;
             }
+            let _ = il;
             if self.uses_q8(w) {
                 let nb = cols / QK;
                 for i in 0..nr {
@@ -261,11 +225,15 @@ impl CpuKernels {
     /// for batches, small enough that the decoded rows stay in L1/L2.
     fn chunk_rows(&self, rows: usize, cols: usize, n_tok: usize) -> usize {
         let threads = self.pool.threads();
-        let balance = rows.div_ceil(threads * 8).max(8);
+        // Multiples of 8 rows: the single-token kernel computes 8 rows at a time, the
+        // batch kernel TILE_R (a divisor of 8).
+        let balance = rows.div_ceil(threads * 8).max(8).next_multiple_of(8);
         if n_tok == 1 {
             balance
         } else {
-            balance.min((32 * 1024 / cols.max(1)).max(4))
+            // Enough tasks to keep every thread busy to the end of the call.
+            let _ = cols;
+            rows.div_ceil(threads * 6).next_multiple_of(8).clamp(8, 64)
         }
     }
 }
@@ -306,9 +274,15 @@ impl Kernels for CpuKernels {
             }
             self.pool
                 .for_each(parts, |_, (j, r0, o): (usize, usize, &mut [f32])| {
+                    let w = &ws[j];
+                    #[cfg(target_arch = "x86_64")]
+                    if let (Some(s), true) = (self.simd, self.uses_q8(w)) {
+                        s.gemv(w.ty, w.data, w.row_bytes(), r0, &act, o);
+                        return;
+                    }
                     SCRATCH.with_borrow_mut(|sc| {
                         for (i, v) in o.iter_mut().enumerate() {
-                            *v = self.dot_row(&ws[j], r0 + i, &act, x, sc);
+                            *v = self.dot_row(w, r0 + i, &act, x, sc);
                         }
                     })
                 });
@@ -316,6 +290,15 @@ impl Kernels for CpuKernels {
         }
         // Batches: each task writes its rows for all tokens into its own contiguous
         // region of a scratch buffer ([t][row]), scattered into the outputs afterwards.
+        #[cfg(target_arch = "x86_64")]
+        let il: BatchActs = match self.simd {
+            Some(_) if ws.iter().any(|w| self.uses_q8(w)) => {
+                Some(Interleaved::new(&act, n_tok, cols / QK))
+            }
+            _ => None,
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let il: BatchActs = None;
         let total: usize = ws.iter().map(|w| w.rows * n_tok).sum();
         OUT_SCRATCH.with_borrow_mut(|scratch| {
             grow(scratch, total);
@@ -336,7 +319,7 @@ impl Kernels for CpuKernels {
             self.pool.for_each(
                 parts,
                 |_, (j, r0, nr, buf): (usize, usize, usize, &mut [f32])| {
-                    self.rows_batch(&ws[j], r0, nr, &act, x, n_tok, buf)
+                    self.rows_batch(&ws[j], r0, nr, &act, &il, x, n_tok, buf)
                 },
             );
             let mut off = 0;
@@ -402,23 +385,51 @@ impl Kernels for CpuKernels {
             SCRATCH.with_borrow_mut(|sc| {
                 grow(&mut sc.f, g_size * n);
                 grow(&mut sc.f2, n * hd);
+                grow(&mut sc.offs, n);
                 let (scores, rows) = (&mut sc.f[..g_size * n], &mut sc.f2[..n * hd]);
-                for (t, row) in rows.chunks_exact_mut(hd).enumerate() {
-                    let off = kv_head_offset(qu.block_table, k.block_tokens, k_row, k_head, t, g);
-                    self.decode_row(k.ty, &k.data[off..off + k_head], row);
+                let offs = &mut sc.offs[..n];
+                for (t, off) in offs.iter_mut().enumerate() {
+                    *off = kv_head_offset(qu.block_table, k.block_tokens, k_row, k_head, t, g);
+                }
+                let fused = match self.simd {
+                    #[cfg(target_arch = "x86_64")]
+                    Some(sx) => sx.attn_scores(k.ty, k.data, offs, hd, qg, scale, scores),
+                    _ => false,
+                };
+                if !fused {
+                    for (row, &off) in rows.chunks_exact_mut(hd).zip(offs.iter()) {
+                        self.decode_row(k.ty, &k.data[off..off + k_head], row);
+                    }
+                    for h in 0..g_size {
+                        let qh = &qg[h * hd..(h + 1) * hd];
+                        for (sc, row) in scores[h * n..(h + 1) * n]
+                            .iter_mut()
+                            .zip(rows.chunks_exact(hd))
+                        {
+                            *sc = self.dot_f32(qh, row) * scale;
+                        }
+                    }
                 }
                 for h in 0..g_size {
-                    let qh = &qg[h * hd..(h + 1) * hd];
-                    for (sc, row) in scores[h * n..(h + 1) * n]
-                        .iter_mut()
-                        .zip(rows.chunks_exact(hd))
-                    {
-                        *sc = self.dot_f32(qh, row) * scale;
+                    let row = &mut scores[h * n..(h + 1) * n];
+                    match self.simd {
+                        #[cfg(target_arch = "x86_64")]
+                        Some(sx) => sx.softmax(row),
+                        _ => ScalarKernels.softmax(row),
                     }
-                    ScalarKernels.softmax(&mut scores[h * n..(h + 1) * n]);
                 }
-                for (t, row) in rows.chunks_exact_mut(hd).enumerate() {
-                    let off = kv_head_offset(qu.block_table, v.block_tokens, v_row, v_head, t, g);
+                for (t, off) in offs.iter_mut().enumerate() {
+                    *off = kv_head_offset(qu.block_table, v.block_tokens, v_row, v_head, t, g);
+                }
+                let fused = match self.simd {
+                    #[cfg(target_arch = "x86_64")]
+                    Some(sx) => sx.attn_pv(v.ty, v.data, offs, hd, scores, o),
+                    _ => false,
+                };
+                if fused {
+                    return;
+                }
+                for (row, &off) in rows.chunks_exact_mut(hd).zip(offs.iter()) {
                     self.decode_row(v.ty, &v.data[off..off + v_head], row);
                 }
                 for h in 0..g_size {

@@ -1,16 +1,30 @@
 //! AVX2/FMA/F16C inner loops. Reached only through [`Avx2`], a token that exists only
 //! when the CPU has those features, so every call below runs on a CPU that supports it.
 //!
-//! Quantized products follow one pattern: per 32-element block, an integer dot of the
-//! weight codes with the i8 activation codes (`maddubs` → i16 pairs, `madd` → i32), then
-//! one f32 FMA with the product of the two block scales.
+//! Quantized products: per 32-element block, the integer dot of the weight codes with
+//! the i8 activation codes is exact (`maddubs`/`madd`, i16 partial sums that provably do
+//! not overflow), so only the float part decides the rounding. For every (row, token) it
+//! is, with blocks in order and each step one rounding:
 //!
-//! The single-token kernels (`dot_q*`) and the batch kernel (`dot_unpacked_x4`) perform
-//! the same operations in the same order (one accumulator, blocks in order, the Q4_1
-//! offset term summed separately), so a token's result does not depend on the size of
-//! the batch it is computed in: batched decoding reproduces sequential decoding bit for
-//! bit. The model's greedy outputs are sensitive to last-bit differences (a flipped int8
-//! rounding of an activation propagates), so this matters.
+//! ```text
+//! acc  = fma(float(isum_b), d_w[b] · d_a[b], acc)      (acc starts at 0)
+//! accm = fma(m_w[b], s_a[b], accm)                      (Q4_1 only)
+//! out  = acc + accm                                     (Q4_1; the others: acc)
+//! ```
+//!
+//! Both kernels run these steps on 8 lanes: the single-token kernel ([`Avx2::gemv`]) has
+//! one lane per weight row, the batch kernel ([`Avx2::gemm_rows`]) one lane per token.
+//! Each lane performs the same operations on the same values in the same order, so a
+//! token's result does not depend on the size of the batch it is computed in: batched
+//! decoding reproduces sequential decoding bit for bit. The model's greedy outputs are
+//! sensitive to last-bit differences (a flipped int8 rounding of an activation
+//! propagates), so this matters.
+//!
+//! The batch kernel is register-tiled: [`TILE_R`] weight rows × [`TILE_G`]·8 tokens. The
+//! activations of 8 tokens are interleaved four codes at a time ([`Interleaved`]), so
+//! one broadcast of four weight codes times one contiguous load of activations gives 8
+//! tokens' partial dots at once (`maddubs`), accumulated in i16 over the block; each
+//! weight broadcast serves [`TILE_G`] loads and each activation load [`TILE_R`] rows.
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
@@ -18,9 +32,99 @@ use std::arch::x86_64::*;
 use crate::quant::BlockQ8;
 use crate::types::{GgmlType, QK};
 
+/// Weight rows per batch tile.
+pub(crate) const TILE_R: usize = 4;
+/// Groups of 8 tokens per batch tile.
+pub(crate) const TILE_G: usize = 2;
+
+/// Kinds of quantized weights, as const parameters of the kernels.
+/// Q4_1: unsigned codes 0..15 (`value = q·d + m`), i16 block sums.
+const U4: u8 = 0;
+/// Q4_0: signed codes -8..7 through the sign trick, i16 block sums.
+const S4: u8 = 1;
+/// Q8_0: signed codes through the sign trick; |pair| can reach 32512, so i32 block sums.
+const S8: u8 = 2;
+
+fn kind(ty: GgmlType) -> u8 {
+    match ty {
+        GgmlType::Q4_1 => U4,
+        GgmlType::Q4_0 => S4,
+        GgmlType::Q8_0 => S8,
+        _ => unreachable!("float type in a quantized kernel"),
+    }
+}
+
+/// Storage types of K rows, as const parameters of the attention kernels.
+const KF32: u8 = 0;
+const KF16: u8 = 1;
+const KBF16: u8 = 2;
+const KQ8: u8 = 3;
+
+/// 32 bytes aligned for vector loads.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, align(32))]
+pub(crate) struct Q32(pub [u8; 32]);
+
+/// A batch's Q8 activations in the batch kernel's layout: tokens in groups of 8 lanes,
+/// padded with zero tokens. For group `g` and block `b`, `q[(g·nb + b)·8 + j]` holds
+/// codes `4j..4j+4` of each of the 8 tokens (token `l` in bytes `4l..4l+4`), and
+/// `d`/`s` hold the tokens' block scale and scaled code sum at `(g·nb + b)·8 + l`.
+#[derive(Debug, Default)]
+pub(crate) struct Interleaved {
+    nb: usize,
+    groups: usize,
+    n_tok: usize,
+    q: Vec<Q32>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+}
+
+impl Interleaved {
+    /// `act` holds `n_tok` rows of `nb` blocks.
+    pub(crate) fn new(act: &[BlockQ8], n_tok: usize, nb: usize) -> Self {
+        assert_eq!(act.len(), n_tok * nb);
+        let groups = n_tok.div_ceil(8);
+        let mut q = vec![Q32::default(); groups * nb * 8];
+        let mut d = vec![0f32; groups * nb * 8];
+        let mut s = vec![0f32; groups * nb * 8];
+        for (t, row) in act.chunks_exact(nb.max(1)).enumerate().take(n_tok) {
+            let (g, l) = (t / 8, t % 8);
+            for (b, blk) in row.iter().enumerate() {
+                let base = (g * nb + b) * 8;
+                for (j, quad) in blk.qs.chunks_exact(4).enumerate() {
+                    for (k, v) in quad.iter().enumerate() {
+                        q[base + j].0[4 * l + k] = *v as u8;
+                    }
+                }
+                d[base + l] = blk.d;
+                s[base + l] = blk.s;
+            }
+        }
+        Self {
+            nb,
+            groups,
+            n_tok,
+            q,
+            d,
+            s,
+        }
+    }
+}
+
 /// Proof that AVX2, FMA and F16C are available.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Avx2(());
+
+/// Per-thread buffers of the batch kernel: the tile's weight rows, unpacked.
+#[derive(Debug, Default)]
+pub(crate) struct TileScratch {
+    /// Unsigned codes (Q4_1) or absolute values of the signed codes.
+    wa: Vec<Q32>,
+    /// Signed codes (Q4_0, Q8_0).
+    ws: Vec<Q32>,
+    d: Vec<f32>,
+    m: Vec<f32>,
+}
 
 impl Avx2 {
     pub(crate) fn detect() -> Option<Self> {
@@ -30,80 +134,249 @@ impl Avx2 {
         ok.then_some(Avx2(()))
     }
 
-    /// Dot product of one quantized weight row with its Q8 activation blocks.
-    pub(crate) fn dot_q(self, ty: GgmlType, row: &[u8], act: &[BlockQ8]) -> f32 {
-        let nb = act.len();
-        assert_eq!(row.len(), nb * ty.block_bytes());
-        let (r, a) = (row.as_ptr(), act.as_ptr());
-        // SAFETY: the token proves the target features; `row` holds `nb` blocks of `ty`
-        // and `act` holds `nb` blocks (asserted above), which is all the kernels read.
-        unsafe {
-            match ty {
-                GgmlType::Q4_0 => dot_q4_0(r, a, nb),
-                GgmlType::Q4_1 => dot_q4_1(r, a, nb),
-                GgmlType::Q8_0 => dot_q8_0(r, a, nb),
-                _ => unreachable!("float type in dot_q"),
-            }
-        }
-    }
-
-    /// Expand a quantized row into one byte per element plus per-block `d` and `m`, so a
-    /// batch can reuse the decoded row. Q4_1 codes stay unsigned (0..15, value = q·d + m);
-    /// Q4_0 and Q8_0 codes become signed (value = q·d, `m` = 0).
-    pub(crate) fn unpack(
+    /// Rows `r0..r0+out.len()` of the quantized matrix `data` (rows of `row_bytes`) times
+    /// one token's activation blocks `act`, 8 rows at a time.
+    pub(crate) fn gemv(
         self,
         ty: GgmlType,
-        row: &[u8],
-        w: &mut [i8],
-        d: &mut [f32],
-        m: &mut [f32],
+        data: &[u8],
+        row_bytes: usize,
+        r0: usize,
+        act: &[BlockQ8],
+        out: &mut [f32],
     ) {
-        let nb = d.len();
-        assert!(row.len() == nb * ty.block_bytes() && w.len() == nb * QK && m.len() == nb);
-        // SAFETY: features proven by the token; all buffers sized for `nb` blocks above.
-        unsafe {
-            unpack(
-                ty,
-                row.as_ptr(),
-                w.as_mut_ptr(),
-                d.as_mut_ptr(),
-                m.as_mut_ptr(),
-                nb,
-            )
+        let nb = act.len();
+        assert_eq!(row_bytes, nb * ty.block_bytes());
+        let n_rows = data.len() / row_bytes.max(1);
+        assert!(r0 + out.len() <= n_rows && data.len() == n_rows * row_bytes);
+        for (i, o) in out.chunks_mut(8).enumerate() {
+            let first = r0 + 8 * i;
+            // Lanes past the end repeat the last row; their results are dropped.
+            let rows: [*const u8; 8] = std::array::from_fn(|k| {
+                let r = (first + k).min(first + o.len() - 1);
+                data[r * row_bytes..].as_ptr()
+            });
+            // SAFETY: the token proves the target features; each pointer starts a row of
+            // `nb` blocks of `ty` inside `data` (r < n_rows, asserted), and `act` holds
+            // `nb` blocks.
+            let r = unsafe {
+                match kind(ty) {
+                    U4 => gemv8::<U4>(rows, act.as_ptr(), nb),
+                    S4 => gemv8::<S4>(rows, act.as_ptr(), nb),
+                    _ => gemv8::<S8>(rows, act.as_ptr(), nb),
+                }
+            };
+            // SAFETY: __m256 and [f32; 8] have the same size and any bits are valid.
+            let v: [f32; 8] = unsafe { std::mem::transmute(r) };
+            o.copy_from_slice(&v[..o.len()]);
         }
     }
 
-    /// Four tokens against one unpacked row (see [`Avx2::unpack`]).
-    pub(crate) fn dot_unpacked_x4(
+    /// Rows `r0..r0+nr` of the quantized matrix `data` against all tokens of `il`, into
+    /// `out[t·nr + i]` (`nr = out.len() / n_tok`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_rows(
         self,
-        signed: bool,
-        w: &[i8],
-        d: &[f32],
-        m: &[f32],
-        acts: [&[BlockQ8]; 4],
-    ) -> [f32; 4] {
-        let nb = d.len();
-        assert!(w.len() == nb * QK && m.len() == nb && acts.iter().all(|a| a.len() == nb));
-        let ap = acts.map(|a| a.as_ptr());
-        // SAFETY: features proven by the token; every buffer holds `nb` blocks (asserted).
-        unsafe {
-            if signed {
-                dot_unpacked_x4::<true>(w.as_ptr(), d.as_ptr(), m.as_ptr(), ap, nb)
-            } else {
-                dot_unpacked_x4::<false>(w.as_ptr(), d.as_ptr(), m.as_ptr(), ap, nb)
+        ty: GgmlType,
+        data: &[u8],
+        row_bytes: usize,
+        r0: usize,
+        il: &Interleaved,
+        sc: &mut TileScratch,
+        out: &mut [f32],
+    ) {
+        let (nb, k) = (il.nb, kind(ty));
+        let nr = out.len() / il.n_tok.max(1);
+        assert_eq!(row_bytes, nb * ty.block_bytes());
+        assert!(out.len() == nr * il.n_tok && (r0 + nr) * row_bytes <= data.len());
+        for v in [&mut sc.wa, &mut sc.ws] {
+            if v.len() < TILE_R * nb {
+                v.resize(TILE_R * nb, Q32::default());
             }
         }
+        for v in [&mut sc.d, &mut sc.m] {
+            if v.len() < TILE_R * nb {
+                v.resize(TILE_R * nb, 0.0);
+            }
+        }
+        let mut rt = 0;
+        while rt < nr {
+            for i in 0..TILE_R {
+                // Rows past the end repeat the last row; their results are dropped.
+                let r = r0 + (rt + i).min(nr - 1);
+                let row = &data[r * row_bytes..(r + 1) * row_bytes];
+                let at = i * nb..(i + 1) * nb;
+                // SAFETY: features proven by the token; `row` holds `nb` blocks of `ty`
+                // and each output range holds `nb` entries.
+                let (rp, wa, ws) = (
+                    row.as_ptr(),
+                    sc.wa[at.clone()].as_mut_ptr(),
+                    sc.ws[at.clone()].as_mut_ptr(),
+                );
+                let (d, m) = (sc.d[at.clone()].as_mut_ptr(), sc.m[at].as_mut_ptr());
+                unsafe {
+                    match k {
+                        U4 => unpack_row::<U4>(rp, wa, ws, d, m, nb),
+                        S4 => unpack_row::<S4>(rp, wa, ws, d, m, nb),
+                        _ => unpack_row::<S8>(rp, wa, ws, d, m, nb),
+                    }
+                };
+            }
+            let mut g = 0;
+            while g < il.groups {
+                let two = g + TILE_G <= il.groups;
+                let at = g * nb * 8;
+                let p = TilePtrs {
+                    wa: sc.wa.as_ptr(),
+                    ws: sc.ws.as_ptr(),
+                    dw: sc.d.as_ptr(),
+                    m: sc.m.as_ptr(),
+                    q: il.q[at..].as_ptr(),
+                    d: il.d[at..].as_ptr(),
+                    s: il.s[at..].as_ptr(),
+                    nb,
+                };
+                // SAFETY: features proven by the token; the scratch holds TILE_R rows of
+                // `nb` blocks, and `il` holds `nb` blocks of 8 lanes for groups
+                // `g..g+TILE_G` (only `g` is read when `two` is false).
+                let res = unsafe {
+                    match k {
+                        U4 => tile_any::<U4>(two, &p),
+                        S4 => tile_any::<S4>(two, &p),
+                        _ => tile_any::<S8>(two, &p),
+                    }
+                };
+                for (i, rr) in res.iter().enumerate().take(nr - rt) {
+                    for (gg, v) in rr.iter().enumerate().take(if two { TILE_G } else { 1 }) {
+                        // SAFETY: __m256 and [f32; 8] have the same size and any bits
+                        // are valid for both.
+                        let lanes: [f32; 8] = unsafe { std::mem::transmute(*v) };
+                        for (l, x) in lanes.iter().enumerate() {
+                            let t = (g + gg) * 8 + l;
+                            if t < il.n_tok {
+                                out[t * nr + rt + i] = *x;
+                            }
+                        }
+                    }
+                }
+                g += if two { TILE_G } else { 1 };
+            }
+            rt += TILE_R;
+        }
     }
 
-    pub(crate) fn dot_unpacked_x1(
+    /// Attention scores of the `q.len() / hd` query heads of one KV group against the K
+    /// rows of type `ty` at byte offsets `offs` in `data` (`hd` values each), times
+    /// `scale`, into `scores` (one row of `offs.len()` per head). Returns false, touching
+    /// nothing, for a shape it has no kernel for.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attn_scores(
         self,
-        signed: bool,
-        w: &[i8],
-        d: &[f32],
-        m: &[f32],
-        act: &[BlockQ8],
-    ) -> f32 {
-        self.dot_unpacked_x4(signed, w, d, m, [act; 4])[0]
+        ty: GgmlType,
+        data: &[u8],
+        offs: &[usize],
+        hd: usize,
+        q: &[f32],
+        scale: f32,
+        scores: &mut [f32],
+    ) -> bool {
+        let (n, g) = (offs.len(), q.len() / hd.max(1));
+        let t = match ty {
+            GgmlType::F32 => KF32,
+            GgmlType::F16 => KF16,
+            GgmlType::BF16 => KBF16,
+            GgmlType::Q8_0 if hd.is_multiple_of(QK) => KQ8,
+            _ => return false,
+        };
+        if hd == 0 || !hd.is_multiple_of(8) || !(1..=4).contains(&g) {
+            return false;
+        }
+        let head_bytes = ty.row_bytes(hd).expect("checked by the caller");
+        assert!(q.len() == g * hd && scores.len() == g * n);
+        assert!(offs.iter().all(|o| o + head_bytes <= data.len()));
+        let (d, o, qp, sp) = (
+            data.as_ptr(),
+            offs.as_ptr(),
+            q.as_ptr(),
+            scores.as_mut_ptr(),
+        );
+        macro_rules! go {
+            ($t:ident) => {
+                match g {
+                    1 => scores_k::<$t, 1>(d, o, n, hd, qp, scale, sp),
+                    2 => scores_k::<$t, 2>(d, o, n, hd, qp, scale, sp),
+                    3 => scores_k::<$t, 3>(d, o, n, hd, qp, scale, sp),
+                    _ => scores_k::<$t, 4>(d, o, n, hd, qp, scale, sp),
+                }
+            };
+        }
+        // SAFETY: features proven by the token; every offset starts `hd` values of `ty`
+        // inside `data` (asserted), `q` holds g·hd floats and `scores` g·n (asserted).
+        unsafe {
+            match t {
+                KF32 => go!(KF32),
+                KF16 => go!(KF16),
+                KBF16 => go!(KBF16),
+                _ => go!(KQ8),
+            }
+        }
+        true
+    }
+
+    /// `out` (one row of `hd` per head) `= Σ_t p[h][t] · V[t]` over the V rows of type
+    /// `ty` at byte offsets `offs` in `data`. Returns false, touching nothing, for a shape
+    /// it has no kernel for.
+    pub(crate) fn attn_pv(
+        self,
+        ty: GgmlType,
+        data: &[u8],
+        offs: &[usize],
+        hd: usize,
+        p: &[f32],
+        out: &mut [f32],
+    ) -> bool {
+        let (n, g) = (offs.len(), out.len() / hd.max(1));
+        let t = match ty {
+            GgmlType::F32 => KF32,
+            GgmlType::F16 => KF16,
+            GgmlType::BF16 => KBF16,
+            GgmlType::Q8_0 => KQ8,
+            _ => return false,
+        };
+        if hd == 0 || !hd.is_multiple_of(32) || !(1..=4).contains(&g) {
+            return false;
+        }
+        let head_bytes = ty.row_bytes(hd).expect("checked by the caller");
+        assert!(out.len() == g * hd && p.len() == g * n);
+        assert!(offs.iter().all(|o| o + head_bytes <= data.len()));
+        let (d, o, pp, op) = (data.as_ptr(), offs.as_ptr(), p.as_ptr(), out.as_mut_ptr());
+        macro_rules! go {
+            ($t:ident) => {
+                match g {
+                    1 => pv_k::<$t, 1>(d, o, n, hd, pp, op),
+                    2 => pv_k::<$t, 2>(d, o, n, hd, pp, op),
+                    3 => pv_k::<$t, 3>(d, o, n, hd, pp, op),
+                    _ => pv_k::<$t, 4>(d, o, n, hd, pp, op),
+                }
+            };
+        }
+        // SAFETY: features proven by the token; every offset starts `hd` values of `ty`
+        // inside `data` (asserted), `p` holds g·n floats and `out` g·hd (asserted).
+        unsafe {
+            match t {
+                KF32 => go!(KF32),
+                KF16 => go!(KF16),
+                KBF16 => go!(KBF16),
+                _ => go!(KQ8),
+            }
+        }
+        true
+    }
+
+    /// In-place softmax of `x` with a vectorized exp.
+    pub(crate) fn softmax(self, x: &mut [f32]) {
+        // SAFETY: features proven by the token; the kernel touches `x.len()` floats.
+        unsafe { softmax(x.as_mut_ptr(), x.len()) }
     }
 
     pub(crate) fn dot_f32(self, a: &[f32], b: &[f32]) -> f32 {
@@ -151,21 +424,6 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// i32 lane sums of `w · a` for signed `w`: `maddubs` needs an unsigned left operand, so
-/// move `w`'s sign onto `a`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn mul_sum_signed(w: __m256i, a: __m256i) -> __m256i {
-    let p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
-    _mm256_madd_epi16(p, _mm256_set1_epi16(1))
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn mul_sum_unsigned(w: __m256i, a: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1))
-}
-
 /// The 32 nibbles of a Q4 block in element order (low nibbles first), as bytes 0..15.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -178,15 +436,6 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
     _mm256_set_m128i(hi, lo)
 }
 
-/// Two f16 values at `p` (d, m) as f32 lanes 0 and 1.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16x2(p: *const u8) -> __m128 {
-    // SAFETY: the caller passes a pointer to 4 readable bytes.
-    let bits = unsafe { p.cast::<i32>().read_unaligned() };
-    _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
-}
-
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16x1(p: *const u8) -> f32 {
@@ -195,129 +444,262 @@ unsafe fn f16x1(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_1(row: *const u8, act: *const BlockQ8, nb: usize) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let mut summ = 0f32;
-    for b in 0..nb {
-        // SAFETY: b < nb, and the caller guarantees nb blocks behind both pointers.
-        unsafe {
-            let blk = row.add(b * 20);
-            let a = &*act.add(b);
-            let dm = f16x2(blk);
-            let w = nibbles(blk.add(4));
-            let av = _mm256_loadu_si256(a.qs.as_ptr().cast());
-            let p = _mm256_cvtepi32_ps(mul_sum_unsigned(w, av));
-            let d = _mm256_set1_ps(_mm_cvtss_f32(dm) * a.d);
-            acc = _mm256_fmadd_ps(d, p, acc);
-            summ += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * a.s;
-        }
+/// Block layout of each kind: bytes per block, offset of the codes.
+const fn layout(k: u8) -> (usize, usize) {
+    match k {
+        U4 => (20, 4),
+        S4 => (18, 2),
+        _ => (34, 2),
     }
-    hsum(acc) + summ
 }
 
+/// Signed codes of block `blk` (S4, S8) or unsigned codes (U4).
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_0(row: *const u8, act: *const BlockQ8, nb: usize) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let eight = _mm256_set1_epi8(8);
-    for b in 0..nb {
-        // SAFETY: b < nb, and the caller guarantees nb blocks behind both pointers.
-        unsafe {
-            let blk = row.add(b * 18);
-            let a = &*act.add(b);
-            let w = _mm256_sub_epi8(nibbles(blk.add(2)), eight);
-            let av = _mm256_loadu_si256(a.qs.as_ptr().cast());
-            let p = _mm256_cvtepi32_ps(mul_sum_signed(w, av));
-            let d = _mm256_set1_ps(f16x1(blk) * a.d);
-            acc = _mm256_fmadd_ps(d, p, acc);
-        }
-    }
-    hsum(acc)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q8_0(row: *const u8, act: *const BlockQ8, nb: usize) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    for b in 0..nb {
-        // SAFETY: b < nb, and the caller guarantees nb blocks behind both pointers.
-        unsafe {
-            let blk = row.add(b * 34);
-            let a = &*act.add(b);
-            let w = _mm256_loadu_si256(blk.add(2).cast());
-            let av = _mm256_loadu_si256(a.qs.as_ptr().cast());
-            let p = _mm256_cvtepi32_ps(mul_sum_signed(w, av));
-            let d = _mm256_set1_ps(f16x1(blk) * a.d);
-            acc = _mm256_fmadd_ps(d, p, acc);
-        }
-    }
-    hsum(acc)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack(ty: GgmlType, row: *const u8, w: *mut i8, d: *mut f32, m: *mut f32, nb: usize) {
-    let bb = ty.block_bytes();
-    let eight = _mm256_set1_epi8(8);
-    for b in 0..nb {
-        // SAFETY: b < nb; the caller guarantees nb blocks in `row` and room for nb blocks
-        // (32 bytes of `w`, one `d`, one `m` each) in the outputs.
-        unsafe {
-            let blk = row.add(b * bb);
-            let (codes, db, mb) = match ty {
-                GgmlType::Q4_1 => {
-                    let dm = f16x2(blk);
-                    (
-                        nibbles(blk.add(4)),
-                        _mm_cvtss_f32(dm),
-                        _mm_cvtss_f32(_mm_movehdup_ps(dm)),
-                    )
-                }
-                GgmlType::Q4_0 => (_mm256_sub_epi8(nibbles(blk.add(2)), eight), f16x1(blk), 0.0),
-                _ => (_mm256_loadu_si256(blk.add(2).cast()), f16x1(blk), 0.0),
-            };
-            _mm256_storeu_si256(w.add(b * QK).cast(), codes);
-            *d.add(b) = db;
-            *m.add(b) = mb;
+unsafe fn codes<const K: u8>(blk: *const u8) -> __m256i {
+    let off = layout(K).1;
+    // SAFETY: the caller passes a whole block of kind K.
+    unsafe {
+        match K {
+            U4 => nibbles(blk.add(off)),
+            S4 => _mm256_sub_epi8(nibbles(blk.add(off)), _mm256_set1_epi8(8)),
+            _ => _mm256_loadu_si256(blk.add(off).cast()),
         }
     }
 }
 
+/// Expand one row into the batch kernel's scratch: codes (`wa` unsigned or absolute,
+/// `ws` signed), block scales `d` and offsets `m` (0 unless Q4_1).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_unpacked_x4<const SIGNED: bool>(
-    w: *const i8,
-    d: *const f32,
-    m: *const f32,
-    acts: [*const BlockQ8; 4],
+unsafe fn unpack_row<const K: u8>(
+    row: *const u8,
+    wa: *mut Q32,
+    ws: *mut Q32,
+    d: *mut f32,
+    m: *mut f32,
     nb: usize,
-) -> [f32; 4] {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut summ = [0f32; 4];
+) {
     for b in 0..nb {
-        // SAFETY: b < nb; the caller guarantees nb blocks behind every pointer.
+        // SAFETY: b < nb; the caller guarantees nb blocks of kind K in `row` and room
+        // for nb entries in every output.
         unsafe {
-            let wv = _mm256_loadu_si256(w.add(b * QK).cast());
-            let db = *d.add(b);
-            let mb = *m.add(b);
-            for k in 0..4 {
-                let a = &*acts[k].add(b);
-                let av = _mm256_loadu_si256(a.qs.as_ptr().cast());
-                let p = if SIGNED {
-                    mul_sum_signed(wv, av)
-                } else {
-                    mul_sum_unsigned(wv, av)
+            let blk = row.add(b * layout(K).0);
+            let c = codes::<K>(blk);
+            if K == U4 {
+                _mm256_store_si256(wa.add(b).cast(), c);
+                *m.add(b) = f16x1(blk.add(2));
+            } else {
+                _mm256_store_si256(wa.add(b).cast(), _mm256_abs_epi8(c));
+                _mm256_store_si256(ws.add(b).cast(), c);
+                *m.add(b) = 0.0;
+            }
+            *d.add(b) = f16x1(blk);
+        }
+    }
+}
+
+/// Sums of the 16 i16 lanes of each of 8 vectors, as i32 lanes 0..7. Each input lane is a
+/// `maddubs` pair of a 4-bit code and an i8 (|v| ≤ 2·15·127 = 3810), so the partial sums
+/// of up to 8 lanes stay below 2¹⁵.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sum8_i16(p: [__m256i; 8]) -> __m256i {
+    let h01 = _mm256_hadd_epi16(p[0], p[1]);
+    let h23 = _mm256_hadd_epi16(p[2], p[3]);
+    let h45 = _mm256_hadd_epi16(p[4], p[5]);
+    let h67 = _mm256_hadd_epi16(p[6], p[7]);
+    let h = _mm256_hadd_epi16(_mm256_hadd_epi16(h01, h23), _mm256_hadd_epi16(h45, h67));
+    // Per 128-bit half: lane k = vector k's sum over that half.
+    let lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(h));
+    let hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256::<1>(h));
+    _mm256_add_epi32(lo, hi)
+}
+
+/// Sums of the 8 i32 lanes of each of 8 vectors, as lanes 0..7.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sum8_i32(p: [__m256i; 8]) -> __m256i {
+    let h01 = _mm256_hadd_epi32(p[0], p[1]);
+    let h23 = _mm256_hadd_epi32(p[2], p[3]);
+    let h45 = _mm256_hadd_epi32(p[4], p[5]);
+    let h67 = _mm256_hadd_epi32(p[6], p[7]);
+    let a = _mm256_hadd_epi32(h01, h23);
+    let b = _mm256_hadd_epi32(h45, h67);
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(a, b),
+        _mm256_permute2x128_si256::<0x31>(a, b),
+    )
+}
+
+/// 8 rows (lanes) times one token: see the module docs for the float steps.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv8<const K: u8>(rows: [*const u8; 8], act: *const BlockQ8, nb: usize) -> __m256 {
+    let bb = layout(K).0;
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    let mut accm = _mm256_setzero_ps();
+    for b in 0..nb {
+        // SAFETY: b < nb; the caller guarantees nb blocks behind every row pointer and
+        // behind `act`.
+        unsafe {
+            let a = &*act.add(b);
+            let av = _mm256_loadu_si256(a.qs.as_ptr().cast());
+            let mut p = [_mm256_setzero_si256(); 8];
+            for (r, pr) in p.iter_mut().enumerate() {
+                let blk = rows[r].add(b * bb);
+                let c = codes::<K>(blk);
+                *pr = match K {
+                    U4 => _mm256_maddubs_epi16(c, av),
+                    S4 => _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(av, c)),
+                    _ => _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(av, c)),
+                        ones,
+                    ),
                 };
-                acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(db * a.d), _mm256_cvtepi32_ps(p), acc[k]);
-                if !SIGNED {
-                    summ[k] += mb * a.s;
+            }
+            let isum = if K == S8 { sum8_i32(p) } else { sum8_i16(p) };
+            let r = |k: usize| rows[k].add(b * bb);
+            let (dw, mw) = if K == U4 {
+                let dm = _mm256_setr_epi32(
+                    r(0).cast::<i32>().read_unaligned(),
+                    r(1).cast::<i32>().read_unaligned(),
+                    r(2).cast::<i32>().read_unaligned(),
+                    r(3).cast::<i32>().read_unaligned(),
+                    r(4).cast::<i32>().read_unaligned(),
+                    r(5).cast::<i32>().read_unaligned(),
+                    r(6).cast::<i32>().read_unaligned(),
+                    r(7).cast::<i32>().read_unaligned(),
+                );
+                // Per 128-bit half: the 4 d's into bytes 0..8, the 4 m's into 8..16.
+                let split = _mm256_setr_epi8(
+                    0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13,
+                    2, 3, 6, 7, 10, 11, 14, 15,
+                );
+                let v = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(dm, split));
+                (
+                    _mm256_cvtph_ps(_mm256_castsi256_si128(v)),
+                    _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(v)),
+                )
+            } else {
+                let h = |k: usize| r(k).cast::<i16>().read_unaligned();
+                let d = _mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
+                (_mm256_cvtph_ps(d), _mm256_setzero_ps())
+            };
+            let scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
+            if K == U4 {
+                accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), accm);
+            }
+        }
+    }
+    if K == U4 {
+        _mm256_add_ps(acc, accm)
+    } else {
+        acc
+    }
+}
+
+/// Pointers into a tile's unpacked weights (see [`unpack_row`], rows `nb` apart) and a
+/// token group's interleaved activations (see [`Interleaved`], groups `8·nb` apart).
+struct TilePtrs {
+    wa: *const Q32,
+    ws: *const Q32,
+    dw: *const f32,
+    m: *const f32,
+    q: *const Q32,
+    d: *const f32,
+    s: *const f32,
+    nb: usize,
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_any<const K: u8>(two: bool, p: &TilePtrs) -> [[__m256; TILE_G]; TILE_R] {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        if two {
+            tile::<K, TILE_R, TILE_G>(p)
+        } else {
+            let one = tile::<K, TILE_R, 1>(p);
+            let mut out = [[_mm256_setzero_ps(); TILE_G]; TILE_R];
+            for (o, v) in out.iter_mut().zip(one) {
+                o[0] = v[0];
+            }
+            out
+        }
+    }
+}
+
+/// R unpacked rows × G groups of 8 tokens: see the module docs for the float steps.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<const K: u8, const R: usize, const G: usize>(p: &TilePtrs) -> [[__m256; G]; R] {
+    let nb = p.nb;
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); G]; R];
+    let mut accm = [[_mm256_setzero_ps(); G]; R];
+    for b in 0..nb {
+        // SAFETY: b < nb; the caller guarantees R rows of nb blocks in the weight
+        // pointers and G groups of nb blocks of 8 lanes in the activation pointers.
+        unsafe {
+            let mut sums = [[_mm256_setzero_si256(); G]; R];
+            for j in 0..8 {
+                let mut a = [_mm256_setzero_si256(); G];
+                for (g, ag) in a.iter_mut().enumerate() {
+                    *ag = _mm256_load_si256(p.q.add((g * nb + b) * 8 + j).cast());
+                }
+                for (r, sr) in sums.iter_mut().enumerate() {
+                    let quad = |w: *const Q32| w.add(r * nb + b).cast::<i32>().add(j).read();
+                    let wa = _mm256_set1_epi32(quad(p.wa));
+                    let ws = if K == U4 {
+                        wa
+                    } else {
+                        _mm256_set1_epi32(quad(p.ws))
+                    };
+                    for (s, ag) in sr.iter_mut().zip(a) {
+                        let av = if K == U4 {
+                            ag
+                        } else {
+                            _mm256_sign_epi8(ag, ws)
+                        };
+                        let pr = _mm256_maddubs_epi16(wa, av);
+                        *s = if K == S8 {
+                            _mm256_add_epi32(*s, _mm256_madd_epi16(pr, ones))
+                        } else {
+                            _mm256_add_epi16(*s, pr)
+                        };
+                    }
+                }
+            }
+            for (r, (ar, sr)) in acc.iter_mut().zip(sums).enumerate() {
+                let dw = _mm256_set1_ps(*p.dw.add(r * nb + b));
+                for (g, (a, s)) in ar.iter_mut().zip(sr).enumerate() {
+                    let isum = if K == S8 {
+                        s
+                    } else {
+                        _mm256_madd_epi16(s, ones)
+                    };
+                    let da = _mm256_loadu_ps(p.d.add((g * nb + b) * 8));
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, da), *a);
+                }
+            }
+            if K == U4 {
+                for (r, mr) in accm.iter_mut().enumerate() {
+                    let m = _mm256_set1_ps(*p.m.add(r * nb + b));
+                    for (g, a) in mr.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(m, _mm256_loadu_ps(p.s.add((g * nb + b) * 8)), *a);
+                    }
                 }
             }
         }
     }
-    [
-        hsum(acc[0]) + summ[0],
-        hsum(acc[1]) + summ[1],
-        hsum(acc[2]) + summ[2],
-        hsum(acc[3]) + summ[3],
-    ]
+    if K == U4 {
+        for (ar, mr) in acc.iter_mut().zip(accm) {
+            for (a, m) in ar.iter_mut().zip(mr) {
+                *a = _mm256_add_ps(*a, m);
+            }
+        }
+    }
+    acc
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -432,5 +814,240 @@ unsafe fn weighted_sum(p: *const f32, n: usize, v: *const f32, d: usize, out: *m
             unsafe { _mm256_storeu_ps(out.add(c + 8 * j), *a) };
         }
         c += 8 * w;
+    }
+}
+
+/// Sums of the 8 lanes of each of 8 vectors, as lanes 0..7.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sum8_ps(p: [__m256; 8]) -> __m256 {
+    let h01 = _mm256_hadd_ps(p[0], p[1]);
+    let h23 = _mm256_hadd_ps(p[2], p[3]);
+    let h45 = _mm256_hadd_ps(p[4], p[5]);
+    let h67 = _mm256_hadd_ps(p[6], p[7]);
+    let a = _mm256_hadd_ps(h01, h23);
+    let b = _mm256_hadd_ps(h45, h67);
+    _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(a, b),
+        _mm256_permute2f128_ps::<0x31>(a, b),
+    )
+}
+
+/// Values `8c..8c+8` of a K/V head row of type T, as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8<const T: u8>(row: *const u8, c: usize) -> __m256 {
+    // SAFETY: the caller passes a row of at least 8c+8 values of type T.
+    unsafe {
+        match T {
+            KF32 => _mm256_loadu_ps(row.cast::<f32>().add(8 * c)),
+            KF16 => _mm256_cvtph_ps(_mm_loadu_si128(row.add(16 * c).cast())),
+            KBF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128(row.add(16 * c).cast()),
+            ))),
+            _ => {
+                let blk = row.add(34 * (c / 4));
+                let v = _mm_loadl_epi64(blk.add(2 + 8 * (c % 4)).cast());
+                _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+                    _mm256_set1_ps(f16x1(blk)),
+                )
+            }
+        }
+    }
+}
+
+/// `out[h] = Σ_t p[h][t] · V[t]` for G heads over the V rows at `offs`, 32 dimensions
+/// per pass: each row chunk is decoded once in registers and shared by the G heads (a
+/// Q8_0 block's scale is folded into the weights `p`).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pv_k<const T: u8, const G: usize>(
+    data: *const u8,
+    offs: *const usize,
+    n: usize,
+    hd: usize,
+    p: *const f32,
+    out: *mut f32,
+) {
+    for c0 in (0..hd).step_by(32) {
+        let mut acc = [[_mm256_setzero_ps(); 4]; G];
+        for t in 0..n {
+            // SAFETY: t < n and c0 + 32 <= hd; the caller guarantees `hd` values of type T
+            // at every offset, G·n weights in `p` and G·hd floats in `out`.
+            unsafe {
+                let row = data.add(*offs.add(t));
+                let mut v = [_mm256_setzero_ps(); 4];
+                let mut d = 1.0;
+                if T == KQ8 {
+                    let blk = row.add(34 * (c0 / 32));
+                    d = f16x1(blk);
+                    for (j, vj) in v.iter_mut().enumerate() {
+                        let q = _mm_loadl_epi64(blk.add(2 + 8 * j).cast());
+                        *vj = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                    }
+                } else {
+                    for (j, vj) in v.iter_mut().enumerate() {
+                        *vj = load8::<T>(row, c0 / 8 + j);
+                    }
+                }
+                for (h, ah) in acc.iter_mut().enumerate() {
+                    let w = *p.add(h * n + t);
+                    let w = _mm256_set1_ps(if T == KQ8 { w * d } else { w });
+                    for (a, vj) in ah.iter_mut().zip(v) {
+                        *a = _mm256_fmadd_ps(w, vj, *a);
+                    }
+                }
+            }
+        }
+        for (h, ah) in acc.iter().enumerate() {
+            for (j, a) in ah.iter().enumerate() {
+                // SAFETY: h < G and c0 + 8j + 8 <= hd, inside the caller's G·hd floats.
+                unsafe { _mm256_storeu_ps(out.add(h * hd + c0 + 8 * j), *a) };
+            }
+        }
+    }
+}
+
+/// Scores of G heads against the K rows at `offs`: each row is decoded 8 values at a
+/// time in registers and shared by the G heads; 8 positions are reduced together.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_k<const T: u8, const G: usize>(
+    data: *const u8,
+    offs: *const usize,
+    n: usize,
+    hd: usize,
+    q: *const f32,
+    scale: f32,
+    out: *mut f32,
+) {
+    let scale = _mm256_set1_ps(scale);
+    let mut t0 = 0;
+    while t0 < n {
+        let m = (n - t0).min(8);
+        let mut part = [[_mm256_setzero_ps(); 8]; G];
+        for i in 0..m {
+            // SAFETY: t0 + i < n; the caller guarantees `hd` values of type T at every
+            // offset, G·hd floats in `q` and G·n floats in `out`.
+            unsafe {
+                let row = data.add(*offs.add(t0 + i));
+                // Two accumulators per head (even and odd chunks) halve the FMA chain.
+                let mut acc = [[_mm256_setzero_ps(); 2]; G];
+                let mut d = _mm256_setzero_ps();
+                for c in 0..hd / 8 {
+                    let kv = if T == KQ8 {
+                        // One scale per 32-value block, converted once.
+                        let blk = row.add(34 * (c / 4));
+                        if c % 4 == 0 {
+                            d = _mm256_set1_ps(f16x1(blk));
+                        }
+                        let v = _mm_loadl_epi64(blk.add(2 + 8 * (c % 4)).cast());
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d)
+                    } else {
+                        load8::<T>(row, c)
+                    };
+                    for (h, a) in acc.iter_mut().enumerate() {
+                        let qv = _mm256_loadu_ps(q.add(h * hd + 8 * c));
+                        a[c % 2] = _mm256_fmadd_ps(qv, kv, a[c % 2]);
+                    }
+                }
+                let mut sum = [_mm256_setzero_ps(); G];
+                for (s, a) in sum.iter_mut().zip(acc) {
+                    *s = _mm256_add_ps(a[0], a[1]);
+                }
+                let acc = sum;
+                for (ph, a) in part.iter_mut().zip(acc) {
+                    ph[i] = a;
+                }
+            }
+        }
+        for (h, ph) in part.into_iter().enumerate() {
+            let v = _mm256_mul_ps(sum8_ps(ph), scale);
+            // SAFETY: __m256 and [f32; 8] have the same size and any bits are valid.
+            let lanes: [f32; 8] = unsafe { std::mem::transmute(v) };
+            for (i, x) in lanes.iter().enumerate().take(m) {
+                // SAFETY: h < G and t0 + i < n, inside the caller's G·n floats.
+                unsafe { *out.add(h * n + t0 + i) = *x };
+            }
+        }
+        t0 += 8;
+    }
+}
+
+/// `exp(x)` for 8 lanes (Cephes polynomial, ~1 ulp), for inputs ≤ 0 in softmax.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn exp_ps(x: __m256) -> __m256 {
+    let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+    let fx = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+    let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+    }
+    let y = _mm256_fmadd_ps(
+        y,
+        _mm256_mul_ps(x, x),
+        _mm256_add_ps(x, _mm256_set1_ps(1.0)),
+    );
+    let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(fx),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn softmax(x: *mut f32, n: usize) {
+    // SAFETY (all blocks): indices stay below n, the caller's length of `x`.
+    let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i + 8 <= n {
+        mv = _mm256_max_ps(mv, unsafe { _mm256_loadu_ps(x.add(i)) });
+        i += 8;
+    }
+    // SAFETY: __m256 and [f32; 8] have the same size and any bits are valid.
+    let lanes: [f32; 8] = unsafe { std::mem::transmute(mv) };
+    let mut max = lanes.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+    for j in i..n {
+        max = max.max(unsafe { *x.add(j) });
+    }
+    let (maxv, mut sumv) = (_mm256_set1_ps(max), _mm256_setzero_ps());
+    let mut i = 0;
+    while i + 8 <= n {
+        unsafe {
+            let e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x.add(i)), maxv));
+            _mm256_storeu_ps(x.add(i), e);
+            sumv = _mm256_add_ps(sumv, e);
+        }
+        i += 8;
+    }
+    let mut sum = hsum(sumv);
+    for j in i..n {
+        unsafe {
+            let e = (*x.add(j) - max).exp();
+            *x.add(j) = e;
+            sum += e;
+        }
+    }
+    let inv = _mm256_set1_ps(1.0 / sum);
+    let mut i = 0;
+    while i + 8 <= n {
+        unsafe { _mm256_storeu_ps(x.add(i), _mm256_mul_ps(_mm256_loadu_ps(x.add(i)), inv)) };
+        i += 8;
+    }
+    for j in i..n {
+        unsafe { *x.add(j) *= 1.0 / sum };
     }
 }
