@@ -22,6 +22,25 @@ pub struct App {
     pub engine_thread: JoinHandle<()>,
 }
 
+/// The model runner for `--device`: the CPU backend, or the CUDA one in a `cuda` build
+/// (which probes the driver first and fails with a clear error when there is none).
+fn load_runner(cfg: &Config, gguf: Arc<Gguf>, rc: RunnerConfig) -> Result<Box<dyn ModelRunner>> {
+    match cfg.device.as_str() {
+        "cpu" => Ok(Box::new(CpuModelRunner::new(
+            gguf,
+            rc,
+            tandem_kernels::best_backend(),
+        )?)),
+        #[cfg(feature = "cuda")]
+        other => crate::model::cuda_runner::load_runner(other, &cfg.model, rc),
+        #[cfg(not(feature = "cuda"))]
+        other => Err(Error::Model(format!(
+            "--device {other}: this binary was built without CUDA support \
+             (build with `--features cuda`); use --device cpu"
+        ))),
+    }
+}
+
 pub fn build(cfg: &Config) -> Result<App> {
     if cfg.role != Role::Both && cfg.group_key.is_empty() {
         return Err(Error::Model(format!(
@@ -45,9 +64,9 @@ pub fn build(cfg: &Config) -> Result<App> {
             ..KvCacheConfig::default()
         },
     };
-    let runner = CpuModelRunner::new(gguf, rc, tandem_kernels::best_backend())?;
+    let kv_dtype = rc.kv.dtype.id();
+    let runner = load_runner(cfg, gguf, rc)?;
     let info = runner.info().clone();
-    let kv_dtype = runner.kv_config().dtype.id();
     if info.vocab_size != tok.vocab_size() {
         return Err(Error::Model(format!(
             "tokenizer has {} tokens but the model's vocabulary is {}",

@@ -46,6 +46,9 @@ pub struct Config {
     /// Name clients use in `model`; defaults to the model file name without `.gguf`.
     #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
+    /// Compute device: `cpu`, or `cuda` / `cuda:N` in a build with feature `cuda`.
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: String,
     #[arg(long, env = "TANDEM_HOST", default_value = "0.0.0.0")]
     pub host: String,
     #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]

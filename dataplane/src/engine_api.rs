@@ -82,3 +82,31 @@ pub trait ModelRunner: Send {
         )))
     }
 }
+
+/// A boxed runner is a runner, so the binary can pick the backend (`--device`) at run time.
+impl<T: ModelRunner + ?Sized> ModelRunner for Box<T> {
+    fn info(&self) -> &ModelInfo {
+        (**self).info()
+    }
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> crate::Result<()> {
+        (**self).reserve(seq, total_tokens)
+    }
+    fn step(&mut self, batch: &[StepInput]) -> crate::Result<Vec<Option<Vec<f32>>>> {
+        (**self).step(batch)
+    }
+    fn seq_len(&self, seq: SeqId) -> usize {
+        (**self).seq_len(seq)
+    }
+    fn free(&mut self, seq: SeqId) {
+        (**self).free(seq)
+    }
+    fn kv_usage(&self) -> KvUsage {
+        (**self).kv_usage()
+    }
+    fn export_kv(&self, seq: SeqId) -> crate::Result<Vec<u8>> {
+        (**self).export_kv(seq)
+    }
+    fn import_kv(&mut self, seq: SeqId, payload: &[u8]) -> crate::Result<()> {
+        (**self).import_kv(seq, payload)
+    }
+}

@@ -261,3 +261,19 @@ fn pd_roles_without_a_group_key_are_refused_clearly() {
         );
     }
 }
+
+#[test]
+fn a_cuda_device_without_cuda_is_refused_clearly() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem-dataplane"))
+        .args(["--device", "cuda:0", "--port", "0", "--model"])
+        .arg(common::model_path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "started without a GPU");
+    let err = String::from_utf8_lossy(&out.stderr);
+    // Without the `cuda` feature the binary says so; with it, the driver probe does.
+    assert!(
+        err.contains("without CUDA support") || err.contains("no CUDA driver"),
+        "unclear error: {err}"
+    );
+}
