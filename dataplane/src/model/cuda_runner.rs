@@ -13,7 +13,7 @@
 //! Not done: CUDA graphs for decode steps (the per-step host work is small uploads; the
 //! kernels are already captured-safe since the context runs without event tracking).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -286,52 +286,13 @@ impl CudaModelRunner {
     }
 
     fn validate(&self, batch: &[StepInput]) -> Result<()> {
-        let mut seen = HashSet::new();
-        for b in batch {
-            if !seen.insert(b.seq) {
-                return Err(Error::InvalidInput(format!(
-                    "{:?} appears twice in one step",
-                    b.seq
-                )));
-            }
-            if b.tokens.is_empty() {
-                return Err(Error::InvalidInput(format!(
-                    "{:?} has no tokens in this step",
-                    b.seq
-                )));
-            }
-            if let Some(t) = b
-                .tokens
-                .iter()
-                .find(|t| **t as usize >= self.cfg.vocab_size)
-            {
-                return Err(Error::InvalidInput(format!(
-                    "token id {t} out of range (vocabulary of {})",
-                    self.cfg.vocab_size
-                )));
-            }
-            let total = self.blocks.len(b.seq) + b.tokens.len();
-            if total > self.cfg.context_length {
-                return Err(Error::InvalidInput(format!(
-                    "{:?} would hold {total} tokens, beyond the context length {}",
-                    b.seq, self.cfg.context_length
-                )));
-            }
-        }
-        let needed: usize = batch
-            .iter()
-            .map(|b| {
-                self.blocks
-                    .needed(b.seq, self.blocks.len(b.seq) + b.tokens.len())
-            })
-            .sum();
-        if needed > self.blocks.free.len() {
-            return Err(Error::KvCacheFull {
-                needed,
-                free: self.blocks.free.len(),
-            });
-        }
-        Ok(())
+        super::runner::validate_step(
+            batch,
+            &self.cfg,
+            |seq| self.blocks.len(seq),
+            |seq, total| self.blocks.needed(seq, total),
+            self.blocks.free.len(),
+        )
     }
 
     /// Run the batch through the model; leaves the logits of the `want_logits` entries in

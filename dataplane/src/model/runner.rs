@@ -114,54 +114,65 @@ impl CpuModelRunner {
     }
 
     fn validate(&self, batch: &[StepInput]) -> Result<()> {
-        let mut seen = HashSet::new();
-        for b in batch {
-            if !seen.insert(b.seq) {
-                return Err(Error::InvalidInput(format!(
-                    "{:?} appears twice in one step",
-                    b.seq
-                )));
-            }
-            if b.tokens.is_empty() {
-                return Err(Error::InvalidInput(format!(
-                    "{:?} has no tokens in this step",
-                    b.seq
-                )));
-            }
-            if let Some(t) = b
-                .tokens
-                .iter()
-                .find(|t| **t as usize >= self.cfg.vocab_size)
-            {
-                return Err(Error::InvalidInput(format!(
-                    "token id {t} out of range (vocabulary of {})",
-                    self.cfg.vocab_size
-                )));
-            }
-            let total = self.kv.len(b.seq) + b.tokens.len();
-            if total > self.cfg.context_length {
-                return Err(Error::InvalidInput(format!(
-                    "{:?} would hold {total} tokens, beyond the context length {}",
-                    b.seq, self.cfg.context_length
-                )));
-            }
-        }
-        // Reserve for everyone or no one.
-        let needed: usize = batch
-            .iter()
-            .map(|b| {
-                self.kv
-                    .blocks_needed(b.seq, self.kv.len(b.seq) + b.tokens.len())
-            })
-            .sum();
-        if needed > self.kv.free_blocks() {
-            return Err(Error::KvCacheFull {
-                needed,
-                free: self.kv.free_blocks(),
-            });
-        }
-        Ok(())
+        validate_step(
+            batch,
+            &self.cfg,
+            |seq| self.kv.len(seq),
+            |seq, total| self.kv.blocks_needed(seq, total),
+            self.kv.free_blocks(),
+        )
     }
+}
+
+/// Check a step before it touches the cache, for every backend: each sequence once, with
+/// tokens in the vocabulary, within the context length, and KV blocks for everyone or no
+/// one (a step never half-reserves).
+pub(crate) fn validate_step(
+    batch: &[StepInput],
+    cfg: &LlamaConfig,
+    len_of: impl Fn(SeqId) -> usize,
+    blocks_needed: impl Fn(SeqId, usize) -> usize,
+    free_blocks: usize,
+) -> Result<()> {
+    let mut seen = HashSet::new();
+    for b in batch {
+        if !seen.insert(b.seq) {
+            return Err(Error::InvalidInput(format!(
+                "{:?} appears twice in one step",
+                b.seq
+            )));
+        }
+        if b.tokens.is_empty() {
+            return Err(Error::InvalidInput(format!(
+                "{:?} has no tokens in this step",
+                b.seq
+            )));
+        }
+        if let Some(t) = b.tokens.iter().find(|t| **t as usize >= cfg.vocab_size) {
+            return Err(Error::InvalidInput(format!(
+                "token id {t} out of range (vocabulary of {})",
+                cfg.vocab_size
+            )));
+        }
+        let total = len_of(b.seq) + b.tokens.len();
+        if total > cfg.context_length {
+            return Err(Error::InvalidInput(format!(
+                "{:?} would hold {total} tokens, beyond the context length {}",
+                b.seq, cfg.context_length
+            )));
+        }
+    }
+    let needed: usize = batch
+        .iter()
+        .map(|b| blocks_needed(b.seq, len_of(b.seq) + b.tokens.len()))
+        .sum();
+    if needed > free_blocks {
+        return Err(Error::KvCacheFull {
+            needed,
+            free: free_blocks,
+        });
+    }
+    Ok(())
 }
 
 /// SHA-256 over everything before the tensor data (architecture, hyperparameters,
