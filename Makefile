@@ -6,7 +6,7 @@ MODEL_DIR := $(CURDIR)/.cache/models
 export TANDEM_PYTHON := $(PYTHON)
 export TANDEM_MODEL_DIR := $(MODEL_DIR)
 
-.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test
+.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test bench-pd
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests)
 test: lint crd-check pyenv model unit validate-crd cuda-check
@@ -34,6 +34,13 @@ cuda-check: pyenv
 ## SmolLM2 GPU == CPU, throughput
 gpu-test:
 	tests/gpu/run.sh
+
+## bench-pd: PD (prefill + decode on loopback) vs --role both on SmolLM2: TTFT, throughput,
+## KV transfer over ZeroMQ vs raw TCP (prints figures; see BENCHMARKS.md)
+bench-pd: model
+	cargo build --release -p tandem-dataplane --bin tandem-dataplane --example bench_pd
+	cat /proc/loadavg
+	./target/release/examples/bench_pd --model $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 
 ## crds: regenerate crds/ from the Rust types
 crds:

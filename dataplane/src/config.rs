@@ -124,6 +124,14 @@ impl PdTimings {
     pub fn liveness_window(&self) -> Duration {
         self.probe_period * self.failure_threshold.max(1)
     }
+
+    /// Prefill: how long a decode session may stay silent (no message at all, PING
+    /// included) before the prefill drops it and fails its rooms: twice the decode's own
+    /// liveness window (a live decode PINGs every probe period), and never less than the
+    /// bootstrap timeout.
+    pub fn session_expiry(&self) -> Duration {
+        (self.liveness_window() * 2).max(self.bootstrap_timeout)
+    }
 }
 
 impl Config {
@@ -225,5 +233,12 @@ mod tests {
         assert_eq!(c.kv_port, 6000);
         let t = c.pd_timings();
         assert_eq!(t.liveness_window(), Duration::from_secs(2));
+        // 2 x liveness window (4 s) is below the 10 s bootstrap timeout, which wins.
+        assert_eq!(t.session_expiry(), Duration::from_secs(10));
+        let short = PdTimings {
+            bootstrap_timeout: Duration::from_secs(1),
+            ..t
+        };
+        assert_eq!(short.session_expiry(), Duration::from_secs(4));
     }
 }

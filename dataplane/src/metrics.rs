@@ -56,6 +56,10 @@ pub struct KvMetrics {
     pub send_failures: Family<ResultLabels, Counter>,
     /// KV blocks held by rooms still in transfer, per peer.
     pub blocks_in_transfer: Family<PeerLabels, Gauge>,
+    /// Prefill: authenticated decode sessions it keeps state for.
+    pub sessions: Gauge,
+    /// Prefill: decode sessions dropped, by reason (expired, peer_restarted, capacity).
+    pub sessions_dropped: Family<ReasonLabels, Counter>,
 }
 
 impl KvMetrics {
@@ -71,6 +75,8 @@ impl KvMetrics {
             peer_incarnation_changes: Counter::default(),
             send_failures: Family::default(),
             blocks_in_transfer: Family::default(),
+            sessions: Gauge::default(),
+            sessions_dropped: Family::default(),
         };
         r.register(
             "kv_rooms_opened",
@@ -122,7 +128,25 @@ impl KvMetrics {
             "KV blocks held by rooms in transfer",
             m.blocks_in_transfer.clone(),
         );
+        r.register(
+            "kv_sessions",
+            "Authenticated decode sessions held by the prefill",
+            m.sessions.clone(),
+        );
+        r.register(
+            "kv_sessions_dropped",
+            "Decode sessions the prefill dropped, with their rooms, by reason",
+            m.sessions_dropped.clone(),
+        );
         m
+    }
+
+    pub fn session_dropped(&self, reason: &str) {
+        self.sessions_dropped
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_owned(),
+            })
+            .inc();
     }
 
     pub fn room(&self, state: &str, reason: &str) {
@@ -172,6 +196,11 @@ pub struct Metrics {
     pub requests: Family<RequestLabels, Counter>,
     /// Every failed or aborted generation, by reason (queue_timeout, client_disconnected...).
     pub failures: Family<ReasonLabels, Counter>,
+    /// HTTP requests refused with a 4xx before any work, by reason (invalid_json, ...).
+    pub rejected: Family<ReasonLabels, Counter>,
+    /// HTTP connections that ended in a protocol or I/O error, by kind (parse_error,
+    /// header_too_large, incomplete_request, io_error, ...).
+    pub connection_errors: Family<KindLabels, Counter>,
     pub prompt_tokens: Counter,
     pub generated_tokens: Counter,
     pub ttft: Histogram,
@@ -187,6 +216,8 @@ impl Metrics {
         let mut registry = Registry::with_prefix("tandem");
         let requests = Family::<RequestLabels, Counter>::default();
         let failures = Family::<ReasonLabels, Counter>::default();
+        let rejected = Family::<ReasonLabels, Counter>::default();
+        let connection_errors = Family::<KindLabels, Counter>::default();
         let prompt_tokens = Counter::default();
         let generated_tokens = Counter::default();
         // 1 ms .. ~65 s
@@ -203,6 +234,16 @@ impl Metrics {
             "request_failures",
             "Failed or aborted generations by reason",
             failures.clone(),
+        );
+        registry.register(
+            "http_rejected_requests",
+            "HTTP requests refused with a client error, by reason",
+            rejected.clone(),
+        );
+        registry.register(
+            "http_connection_errors",
+            "HTTP connections ended by a protocol or I/O error, by kind",
+            connection_errors.clone(),
         );
         registry.register(
             "prompt_tokens",
@@ -250,6 +291,8 @@ impl Metrics {
             kv,
             requests,
             failures,
+            rejected,
+            connection_errors,
             prompt_tokens,
             generated_tokens,
             ttft,
@@ -265,6 +308,22 @@ impl Metrics {
         self.failures
             .get_or_create(&ReasonLabels {
                 reason: reason.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn rejected(&self, reason: &str) {
+        self.rejected
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn connection_error(&self, kind: &str) {
+        self.connection_errors
+            .get_or_create(&KindLabels {
+                kind: kind.to_owned(),
             })
             .inc();
     }

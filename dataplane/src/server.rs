@@ -123,6 +123,7 @@ async fn connection(
     state: Arc<AppState>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
+    let state_metrics = state.metrics.clone();
     let svc = service_fn(move |req| {
         let state = state.clone();
         async move { Ok::<_, Infallible>(route(state, req).await) }
@@ -140,7 +141,31 @@ async fn connection(
         }
     };
     if let Err(e) = res {
-        tracing::debug!(%peer, error = %e, "connection ended with an error");
+        let kind = connection_error_kind(&e);
+        state_metrics.connection_error(kind);
+        if kind == "io_error" {
+            // Typically a client that went away mid-response: common, not a server fault.
+            tracing::debug!(%peer, kind, error = %e, "connection ended with an error");
+        } else {
+            tracing::info!(%peer, kind, error = %e, "connection ended with a protocol error");
+        }
+    }
+}
+
+/// Metric label of an HTTP connection error (hyper answered 400 / 431 itself when it could).
+fn connection_error_kind(e: &hyper::Error) -> &'static str {
+    if e.is_parse_too_large() {
+        "header_too_large"
+    } else if e.is_parse() {
+        "parse_error"
+    } else if e.is_incomplete_message() {
+        "incomplete_request"
+    } else if e.is_timeout() {
+        "timeout"
+    } else if e.is_body_write_aborted() {
+        "body_write_aborted"
+    } else {
+        "io_error"
     }
 }
 
@@ -188,6 +213,9 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
         } else {
             tracing::info!(%method, %path, status = e.status.as_u16(), error = %e.message, "request rejected");
         }
+        if e.status.is_client_error() {
+            state.metrics.rejected(e.code.unwrap_or("invalid_request"));
+        }
         error_response(&e)
     });
     state.metrics.request(endpoint, res.status().as_u16());
@@ -195,12 +223,27 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
 }
 
 async fn body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
+    let too_large = || ApiError {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        ..ApiError::invalid(None, format!("the request body exceeds {MAX_BODY} bytes"))
+            .with_code("body_too_large")
+    };
+    // A declared length beyond the limit is refused before reading a byte of it.
+    let declared = req
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return Err(too_large());
+    }
     match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(c) => Ok(c.to_bytes()),
-        Err(e) => Err(ApiError::invalid(
-            None,
-            format!("could not read the request body: {e}"),
-        )),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Err(e) => Err(
+            ApiError::invalid(None, format!("could not read the request body: {e}"))
+                .with_code("body_read_error"),
+        ),
     }
 }
 

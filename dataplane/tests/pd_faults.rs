@@ -212,3 +212,66 @@ fn decode_refuses_a_prefill_that_cannot_prove_the_key() {
     assert!(!decode.is_ready());
     assert_eq!(decode.get("/health").status, 200, "liveness is unaffected");
 }
+
+/// Rule 6 end to end: the prefill fails a room (its KV cache is too small for the prompt,
+/// which the decode's accepts). FAILED reaches the decode at once (not by a timeout), the
+/// client gets the reason, and each side logs the failure once with room, peer, the peer's
+/// incarnation and the reason, and counts it under that reason.
+#[test]
+fn a_prefill_side_failure_is_pushed_to_the_decode_and_logged_once_on_each_side() {
+    let env = pd_env(&[]);
+    let kv = free_port();
+    let kv_arg = kv.to_string();
+    // 4 blocks of 16 tokens on the prefill; 256 on the decode.
+    let mut prefill = Server::spawn(
+        &["--role", "prefill", "--kv-port", &kv_arg],
+        &["--kv-blocks", "4"],
+        &env,
+    );
+    prefill.wait_ready();
+    let decode = start_decode(&[kv], &env, true);
+    let long = "one two three four five ".repeat(20);
+    let t = Instant::now();
+    let r = decode.post(
+        "/v1/completions",
+        &serde_json::from_str(&completion_body(&long)).unwrap(),
+    );
+    let took = t.elapsed();
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "too_large", "{}", r.body);
+    assert!(
+        took < Duration::from_secs(5),
+        "pushed at once, not found by the 30 s KV timeout: {took:?}"
+    );
+    let failed = "tandem_kv_rooms_total{state=\"failed\",reason=\"too_large\"} ";
+    assert_eq!(decode.metric(failed), 1.0);
+    assert_eq!(prefill.metric(failed), 1.0);
+
+    let field = |line: &str, k: &str| -> String {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        match &v["fields"][k] {
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        }
+    };
+    let d = decode.log_lines(&["\"room failed\"", "too_large"]);
+    assert_eq!(d.len(), 1, "{}", decode.log_text());
+    let p = prefill.log_lines(&["\"room ended\"", "too_large"]);
+    assert_eq!(p.len(), 1, "{}", prefill.log_text());
+    let room = field(&d[0], "room");
+    assert_eq!(field(&p[0], "room"), room, "the same room on both sides");
+    assert_eq!(field(&d[0], "peer"), format!("127.0.0.1:{kv}"));
+    assert!(!field(&p[0], "peer").is_empty());
+    // Each side names the other's process incarnation.
+    assert_eq!(field(&d[0], "peer_incarnation"), prefill.incarnation());
+    assert_eq!(field(&p[0], "peer_incarnation"), decode.incarnation());
+    assert_eq!(field(&d[0], "reason"), "too_large");
+    assert_eq!(field(&p[0], "reason"), "too_large");
+    // Nothing else failed, and the pair keeps serving prompts that fit.
+    assert_eq!(decode.metric_sum("tandem_kv_rooms_total"), 1.0);
+    let r = decode.post(
+        "/v1/completions",
+        &serde_json::from_str(&completion_body("Hi")).unwrap(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}

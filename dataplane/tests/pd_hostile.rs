@@ -165,6 +165,86 @@ fn hostile_input_is_counted_by_kind_and_serving_continues() {
         }
     );
     c.send(&env(&me, 5, Message::AbortAck));
+    // A KV chunk sent to the prefill (only decodes receive KV): dropped, counted.
+    c.send(&env(
+        &me,
+        6,
+        Message::KvChunk(kv::KvChunk {
+            index: 0,
+            count: 1,
+            first_layer: 0,
+            end_layer: 1,
+            offset: 0,
+            total: 4,
+            crc32: kv::checksum::crc32(b"kv!!"),
+            data: b"kv!!".to_vec(),
+        }),
+    ));
+    // A frame beyond the protocol's payload limit (that libzmq still delivers): counted.
+    let mut big = ping[0].clone();
+    let over = kv::MAX_PAYLOAD + 8;
+    big[32..36].copy_from_slice(&(over as u32).to_le_bytes());
+    c.raw(&[&big, &vec![0u8; over]]);
+    // The same authenticated peer claiming another model in a new handshake: refused, and
+    // its session is left as it was.
+    c.send(&env(&me, 0, init.hello(&other_model)));
+    c.expect_reject(RejectReason::ModelMismatch);
+    // Duplicate room ids: a second PREFILL for a live room, then (after its KV and DONE
+    // came back) a PREFILL for the finished room. Neither disturbs the room.
+    let prefill_req = |n: u32| {
+        Message::Prefill(kv::PrefillRequest {
+            tokens: (0..n).map(|i| 100 + i % 1000).collect(),
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            logprobs: None,
+        })
+    };
+    c.send(&env(&me, 900, prefill_req(200)));
+    c.send(&env(&me, 900, prefill_req(3)));
+    let mut chunks = 0;
+    loop {
+        let e = c.recv();
+        assert_eq!(e.room, 900, "{e:?}");
+        match e.msg {
+            Message::KvChunk(_) => chunks += 1,
+            Message::Done { prompt_tokens, .. } => {
+                assert_eq!(
+                    prompt_tokens, 200,
+                    "the first PREFILL ran, not the duplicate"
+                );
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(chunks >= 1);
+    c.send(&env(&me, 900, prefill_req(3)));
+    // Still served after all that.
+    c.send(&env(
+        &me,
+        0,
+        Message::Ping {
+            nonce: 10,
+            timestamp_us: 1,
+        },
+    ));
+    assert_eq!(
+        c.recv().msg,
+        Message::Pong {
+            nonce: 10,
+            timestamp_us: 1
+        },
+        "the finished-room PREFILL got no answer; the PING did"
+    );
+    // A frame far beyond the limit: libzmq cuts that connection before we see a byte
+    // (`maxmsgsize`); the prefill itself is unaffected.
+    let c2 = Client::connect(port);
+    let huge = kv::MAX_PAYLOAD + (1 << 20);
+    big[32..36].copy_from_slice(&(huge as u32).to_le_bytes());
+    c2.raw(&[&big, &vec![0u8; huge]]);
+    drop(c2);
 
     // Each kind was counted exactly as often as it was sent.
     let m = |k: &str| {
@@ -175,9 +255,12 @@ fn hostile_input_is_counted_by_kind_and_serving_continues() {
     prefill.wait_for(
         "unexpected type counted",
         std::time::Duration::from_secs(5),
-        |_| m("unexpected_type") == 1.0,
+        |_| m("finished_room") == 1.0,
     );
     for (kind, n) in [
+        ("unexpected_type", 2.0),
+        ("oversized", 1.0),
+        ("duplicate_room", 1.0),
         ("frame_count", 1.0),
         ("bad_magic", 1.0),
         ("truncated", 1.0),
@@ -195,10 +278,15 @@ fn hostile_input_is_counted_by_kind_and_serving_continues() {
             h("incarnation_mismatch"),
             h("auth_failed")
         ),
-        (1.0, 1.0, 1.0)
+        (2.0, 1.0, 1.0)
     );
     assert_eq!(h("ok"), 2.0, "the real decode and the test client");
-    assert_eq!(prefill.metric("tandem_kv_rooms_opened_total "), 0.0);
+    // One room (the first PREFILL for 900), done; the duplicates opened nothing.
+    assert_eq!(prefill.metric("tandem_kv_rooms_opened_total "), 1.0);
+    assert_eq!(
+        prefill.metric("tandem_kv_rooms_total{state=\"done\",reason=\"none\"} "),
+        1.0
+    );
 
     // Both processes keep serving.
     assert!(prefill.is_ready() && decode.is_ready());
@@ -207,4 +295,123 @@ fn hostile_input_is_counted_by_kind_and_serving_continues() {
         &json!({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0}),
     );
     assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// Write `bytes` to a fresh connection (half-closing when asked) and return the status
+/// line of whatever the server answers ("" when it closes without answering).
+fn raw_http(addr: std::net::SocketAddr, bytes: &[u8], half_close: bool) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    // The server may answer (and close) before taking everything: ignore write errors.
+    let _ = s.write_all(bytes);
+    if half_close {
+        let _ = s.shutdown(std::net::Shutdown::Write);
+    }
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out)
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_owned()
+}
+
+#[test]
+fn http_ports_of_both_roles_survive_hostile_input_and_count_it() {
+    let pd = pd_env(&[]);
+    let port = free_port();
+    let prefill = start_prefill(port, &pd);
+    let decode = start_decode(&[port], &pd, true);
+    let post = |body: &str, declared: usize| {
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n{body}"
+        )
+    };
+    for s in [&prefill, &decode] {
+        let a = s.addr;
+        // Raw garbage (a TLS ClientHello prefix and binary): hyper answers 400 and closes.
+        let garbage = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\xff\xfe garbage\r\n\r\n";
+        assert!(raw_http(a, garbage, false).contains(" 400"), "garbage");
+        // A request cut inside its head, then the client half-closes.
+        assert_eq!(
+            raw_http(
+                a,
+                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Le",
+                true
+            ),
+            "",
+            "no answer to a truncated head"
+        );
+        // A body shorter than its Content-Length, then the client half-closes.
+        raw_http(a, post("{\"model\": \"x\"", 100).as_bytes(), true);
+        // A 1 MiB header.
+        let big = format!(
+            "GET /health HTTP/1.1\r\nHost: t\r\nX-Big: {}\r\n\r\n",
+            "a".repeat(1 << 20)
+        );
+        assert!(
+            raw_http(a, big.as_bytes(), false).contains(" 431"),
+            "big header"
+        );
+        // A body declared beyond the 8 MiB limit: refused before it is read.
+        assert!(
+            raw_http(a, post("", 9 << 20).as_bytes(), false).contains(" 413"),
+            "big body"
+        );
+        // Malformed JSON, a non-object, wrong types.
+        for (body, want) in [
+            ("{not json", "invalid_json"),
+            ("[1, 2]", "not_an_object"),
+            (
+                &*json!({"model": MODEL_NAME, "prompt": "Hi", "max_tokens": "ten"}).to_string(),
+                "invalid_type",
+            ),
+            (
+                &*json!({"model": MODEL_NAME, "prompt": "Hi", "stream": 3}).to_string(),
+                "invalid_type",
+            ),
+        ] {
+            let r = common::request(a, "POST", "/v1/completions", Some(body));
+            assert_eq!(r.status, 400, "{body}: {}", r.body);
+            assert_eq!(r.json()["error"]["code"], want, "{}", r.body);
+        }
+        // Each kind counted.
+        let conn = |k: &str| {
+            s.metric(&format!(
+                "tandem_http_connection_errors_total{{kind=\"{k}\"}} "
+            ))
+        };
+        let rej = |k: &str| {
+            s.metric(&format!(
+                "tandem_http_rejected_requests_total{{reason=\"{k}\"}} "
+            ))
+        };
+        s.wait_for(
+            "connection errors counted",
+            std::time::Duration::from_secs(5),
+            |_| conn("parse_error") == 1.0 && conn("header_too_large") == 1.0,
+        );
+        let body = s.get("/metrics").body;
+        assert_eq!(conn("incomplete_request"), 1.0, "{body}");
+        assert_eq!(rej("body_read_error"), 1.0, "{body}");
+        assert_eq!(rej("body_too_large"), 1.0, "{body}");
+        assert_eq!(rej("invalid_json"), 1.0, "{body}");
+        assert_eq!(rej("not_an_object"), 1.0, "{body}");
+        assert_eq!(rej("invalid_type"), 2.0, "{body}");
+        // Still live and ready.
+        assert_eq!(s.get("/health").status, 200);
+        assert!(s.is_ready(), "{}", s.get("/ready").body);
+    }
+    // And a real request completes through both.
+    let r = decode.post(
+        "/v1/completions",
+        &json!({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        prefill.metric("tandem_kv_rooms_total{state=\"done\",reason=\"none\"} "),
+        1.0
+    );
 }

@@ -130,15 +130,55 @@ fn decode_restart_against_a_long_running_prefill() {
     let prefill = start_prefill(kv, &env);
     let d1 = start_decode(&[kv], &env, true);
     let first = greedy(&d1, "The three primary colors are", 8);
-    drop(d1); // killed
+    let old_incarnation = d1.incarnation();
+    assert_eq!(prefill.metric("tandem_kv_sessions "), 1.0);
+    drop(d1); // SIGKILL: no goodbye reaches the prefill
+    let killed_at = std::time::Instant::now();
     let d2 = start_decode(&[kv], &env, true);
+    let new_incarnation = d2.incarnation();
+    assert_ne!(old_incarnation, new_incarnation);
     assert_eq!(greedy(&d2, "The three primary colors are", 8), first);
     // The prefill authenticated two decode processes and never restarted.
     assert_eq!(
         prefill.metric("tandem_kv_handshakes_total{result=\"ok\"} "),
         2.0
     );
-    assert!(prefill.is_ready());
+    // It drops the dead decode's session once it has been silent for the session expiry
+    // (max(2 x failure_threshold x probe_period, bootstrap timeout) = 4 s here).
+    let dropped = "tandem_kv_sessions_dropped_total{reason=\"expired\"} ";
+    prefill.wait_for("old session expired", Duration::from_secs(15), |s| {
+        s.metric(dropped) == 1.0
+    });
+    // (Measured from the kill; the last PING went out up to one probe period before it.)
+    assert!(
+        killed_at.elapsed() >= Duration::from_secs(3),
+        "not before the expiry: {:?}",
+        killed_at.elapsed()
+    );
+    let lines = prefill.log_lines(&["decode session dropped"]);
+    assert_eq!(lines.len(), 1, "{}", prefill.log_text());
+    for needle in [
+        format!("\"peer_incarnation\":\"{old_incarnation}\""),
+        "\"reason\":\"expired\"".to_owned(),
+        "\"peer\":".to_owned(),
+    ] {
+        assert!(lines[0].contains(&needle), "{needle} not in {}", lines[0]);
+    }
+    // Only the old session went: the new decode keeps being served and stays ready.
+    assert_eq!(prefill.metric("tandem_kv_sessions "), 1.0);
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(
+        prefill.metric(dropped),
+        1.0,
+        "the live decode is not expired"
+    );
+    assert!(d2.is_ready() && prefill.is_ready());
+    assert_eq!(greedy(&d2, "The three primary colors are", 8), first);
+    assert_eq!(
+        prefill.metric("tandem_kv_handshakes_total{result=\"ok\"} "),
+        2.0,
+        "the new decode never had to handshake again"
+    );
 }
 
 #[test]

@@ -108,6 +108,7 @@ codes!(
         ImportFailed = 14 => "import_failed",
         Incomplete = 15 => "incomplete_kv",
         Shutdown = 16 => "shutdown",
+        PeerExpired = 17 => "peer_expired",
     }
 );
 

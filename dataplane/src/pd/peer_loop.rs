@@ -157,7 +157,7 @@ impl PeerLoop {
                     && env.incarnation == peer_incarnation
                 {
                     self.metrics.kv.handshake("ok");
-                    tracing::info!(peer = %self.addr, peer_incarnation, "prefill authenticated");
+                    tracing::info!(peer = %self.addr, peer_incarnation = %format!("{peer_incarnation:016x}"), "prefill authenticated");
                     self.shared
                         .peer_incarnation
                         .store(peer_incarnation, Ordering::Relaxed);
@@ -168,7 +168,7 @@ impl PeerLoop {
             }
             Message::Reject { reason, text } => {
                 self.metrics.kv.handshake(reason.label());
-                tracing::warn!(peer = %self.addr, peer_incarnation = env.incarnation, reason = reason.label(), %text, "prefill refused us");
+                tracing::warn!(peer = %self.addr, peer_incarnation = %format!("{:016x}", env.incarnation), reason = reason.label(), %text, "prefill refused us");
                 self.set_session(Session::Idle {
                     retry_at: Instant::now() + self.timings.probe_period,
                 });
@@ -259,7 +259,7 @@ impl PeerLoop {
             }
             Err((reason, text)) => {
                 self.metrics.kv.handshake(reason.label());
-                tracing::warn!(peer = %self.addr, peer_incarnation = env.incarnation, reason = reason.label(), %text, "refusing the prefill");
+                tracing::warn!(peer = %self.addr, peer_incarnation = %format!("{:016x}", env.incarnation), reason = reason.label(), %text, "refusing the prefill");
                 self.send(0, Message::Reject { reason, text });
                 self.set_session(Session::Idle {
                     retry_at: Instant::now() + self.timings.probe_period,
@@ -451,7 +451,7 @@ impl PeerLoop {
             );
         }
         self.metrics.kv.room("failed", code.label());
-        tracing::warn!(room = id, peer = %self.addr, peer_incarnation = r.data.peer_incarnation, reason = code.label(), %text, "room failed");
+        tracing::warn!(room = id, peer = %self.addr, peer_incarnation = %format!("{:016x}", r.data.peer_incarnation), reason = code.label(), %text, "room failed");
         let _ = r.data.reply.try_send(Err(RoomFailure {
             code,
             message: format!("KV transfer failed ({}): {text}", code.label()),

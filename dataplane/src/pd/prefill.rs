@@ -98,6 +98,7 @@ pub fn start(
         health: health.clone(),
         pending: HashMap::new(),
         sessions: HashMap::new(),
+        session_expiry: timings.session_expiry(),
         rooms: RoomTable::new(
             Deadlines::new(timings.bootstrap_timeout, timings.kv_timeout),
             65_536,
@@ -139,6 +140,8 @@ struct RouterLoop {
     health: Arc<LoopHealth>,
     pending: HashMap<Vec<u8>, (Pending, Instant)>,
     sessions: HashMap<Vec<u8>, Session>,
+    /// A session silent for this long is dropped with its rooms (`PdTimings::session_expiry`).
+    session_expiry: Duration,
     rooms: RoomTable<PrefillRoom>,
 }
 
@@ -273,16 +276,17 @@ impl RouterLoop {
         if let Some(old) = self.sessions.get(&peer)
             && old.incarnation != env.incarnation
         {
-            self.peer_restarted(&peer, old.incarnation);
+            self.drop_session(&peer, DropReason::PeerRestarted);
         }
-        if self.sessions.len() >= MAX_SESSIONS
+        if !self.sessions.contains_key(&peer)
+            && self.sessions.len() >= MAX_SESSIONS
             && let Some(oldest) = self
                 .sessions
                 .iter()
                 .min_by_key(|(_, s)| s.last_seen)
                 .map(|(k, _)| k.clone())
         {
-            self.sessions.remove(&oldest);
+            self.drop_session(&oldest, DropReason::Capacity);
         }
         self.sessions.insert(
             peer.clone(),
@@ -291,22 +295,43 @@ impl RouterLoop {
                 last_seen: Instant::now(),
             },
         );
+        self.metrics.kv.sessions.set(self.sessions.len() as i64);
         self.metrics.kv.handshake("ok");
-        tracing::info!(peer = %hex_id(&peer), peer_incarnation = env.incarnation, "decode authenticated");
+        tracing::info!(peer = %hex_id(&peer), peer_incarnation = %format!("{:016x}", env.incarnation), "decode authenticated");
         self.reply(&peer, 0, Message::Accepted);
     }
 
-    fn peer_restarted(&mut self, peer: &[u8], old_incarnation: u64) {
-        self.metrics.kv.peer_incarnation_changes.inc();
+    /// Forget everything about one decode session (rule 4): its rooms fail with the
+    /// reason (FAILED is pushed to the peer, which may be gone), one log line names the
+    /// peer, its incarnation and the reason, and the drop is counted by reason.
+    fn drop_session(&mut self, peer: &[u8], why: DropReason) {
+        let Some(old) = self.sessions.remove(peer) else {
+            return;
+        };
+        if why == DropReason::PeerRestarted {
+            self.metrics.kv.peer_incarnation_changes.inc();
+        }
         let ids: Vec<u64> = self
             .rooms
             .iter()
-            .filter(|(_, r)| r.data.peer == peer && r.data.peer_incarnation == old_incarnation)
+            .filter(|(_, r)| r.data.peer == peer && r.data.peer_incarnation == old.incarnation)
             .map(|(id, _)| id)
             .collect();
-        for id in ids {
-            self.fail_room(id, FailCode::PeerRestarted, "decode restarted");
+        let text = why.text(self.session_expiry);
+        for &id in &ids {
+            self.fail_room(id, why.code(), &text);
         }
+        self.metrics.kv.session_dropped(why.label());
+        self.metrics.kv.sessions.set(self.sessions.len() as i64);
+        tracing::warn!(
+            peer = %hex_id(peer),
+            peer_incarnation = %format!("{:016x}", old.incarnation),
+            reason = why.label(),
+            silent_ms = old.last_seen.elapsed().as_millis() as u64,
+            rooms_failed = ids.len(),
+            %text,
+            "decode session dropped"
+        );
     }
 
     fn on_session_message(&mut self, peer: Vec<u8>, env: Envelope) {
@@ -315,10 +340,8 @@ impl RouterLoop {
                 s.last_seen = Instant::now();
                 true
             }
-            Some(s) => {
-                let old = s.incarnation;
-                self.sessions.remove(&peer);
-                self.peer_restarted(&peer, old);
+            Some(_) => {
+                self.drop_session(&peer, DropReason::PeerRestarted);
                 false
             }
             None => false,
@@ -388,10 +411,17 @@ impl RouterLoop {
     }
 
     fn on_prefill(&mut self, peer: Vec<u8>, peer_inc: u64, room: u64, req: PrefillRequest) {
-        if self.rooms.get(room).is_some() || self.rooms.is_finished(room) {
+        let kind = if self.rooms.get(room).is_some() {
+            Some("duplicate_room")
+        } else if self.rooms.is_finished(room) {
+            Some("finished_room")
+        } else {
+            None
+        };
+        if let Some(kind) = kind {
             // Never resurrect or disturb an existing room: count and drop.
-            self.metrics.kv.malformed("duplicate_room");
-            tracing::warn!(room, peer = %hex_id(&peer), "PREFILL for an existing or finished room dropped");
+            self.metrics.kv.malformed(kind);
+            tracing::warn!(room, peer = %hex_id(&peer), kind, "PREFILL for an existing or finished room dropped");
             return;
         }
         let prompt_tokens = req.tokens.len() as u32;
@@ -539,7 +569,7 @@ impl RouterLoop {
         };
         self.metrics.kv.room(outcome.label(), reason);
         if outcome != RoomState::Done {
-            tracing::warn!(room = id, peer = %hex_id(&r.data.peer), peer_incarnation = r.data.peer_incarnation, state = outcome.label(), reason, %text, "room ended");
+            tracing::warn!(room = id, peer = %hex_id(&r.data.peer), peer_incarnation = %format!("{:016x}", r.data.peer_incarnation), state = outcome.label(), reason, %text, "room ended");
         }
     }
 
@@ -554,5 +584,55 @@ impl RouterLoop {
         let limit = self.rooms.deadlines.bootstrap;
         self.pending
             .retain(|_, (_, t)| now.duration_since(*t) < limit);
+        // Liveness expiry: a decode that sent nothing (not even a PING) for the expiry is
+        // gone (killed, partitioned, frozen); its state must not outlive it.
+        let silent: Vec<Vec<u8>> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| now.saturating_duration_since(s.last_seen) > self.session_expiry)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for peer in silent {
+            self.drop_session(&peer, DropReason::Expired);
+        }
+    }
+}
+
+/// Why the prefill dropped a decode session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DropReason {
+    /// No message from the decode within the session expiry.
+    Expired,
+    /// The same connection came back with another process incarnation.
+    PeerRestarted,
+    /// The session table was full; the longest-silent session made room.
+    Capacity,
+}
+
+impl DropReason {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Expired => "expired",
+            Self::PeerRestarted => "peer_restarted",
+            Self::Capacity => "capacity",
+        }
+    }
+
+    fn code(self) -> FailCode {
+        match self {
+            Self::Expired | Self::Capacity => FailCode::PeerExpired,
+            Self::PeerRestarted => FailCode::PeerRestarted,
+        }
+    }
+
+    fn text(self, expiry: Duration) -> String {
+        match self {
+            Self::Expired => format!(
+                "decode silent for more than {} ms (session expiry)",
+                expiry.as_millis()
+            ),
+            Self::PeerRestarted => "decode restarted".into(),
+            Self::Capacity => format!("session table full ({MAX_SESSIONS})"),
+        }
     }
 }

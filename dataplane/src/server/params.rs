@@ -12,11 +12,14 @@ type R<T> = std::result::Result<T, ApiError>;
 pub fn parse_object(body: &[u8]) -> R<Obj> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(o)) => Ok(o),
-        Ok(_) => Err(ApiError::invalid(
-            None,
-            "request body must be a JSON object",
-        )),
-        Err(e) => Err(ApiError::invalid(None, format!("malformed JSON body: {e}"))),
+        Ok(_) => Err(
+            ApiError::invalid(None, "request body must be a JSON object")
+                .with_code("not_an_object"),
+        ),
+        Err(e) => {
+            Err(ApiError::invalid(None, format!("malformed JSON body: {e}"))
+                .with_code("invalid_json"))
+        }
     }
 }
 
@@ -25,7 +28,7 @@ fn present<'a>(o: &'a Obj, k: &str) -> Option<&'a Value> {
 }
 
 fn wrong_type(k: &str, want: &str, v: &Value) -> ApiError {
-    ApiError::invalid(Some(k), format!("'{k}' must be {want}, got {v}"))
+    ApiError::invalid(Some(k), format!("'{k}' must be {want}, got {v}")).with_code("invalid_type")
 }
 
 pub fn opt_bool(o: &Obj, k: &str) -> R<Option<bool>> {

@@ -64,12 +64,19 @@ impl Server {
         let port = free_port();
         let log = std::env::temp_dir().join(format!("tandem-dataplane-{port}.log"));
         let log_file = std::fs::File::create(&log).unwrap();
+        // 256 KV blocks unless the test asks for another size.
+        let blocks: &[&str] = if extra.contains(&"--kv-blocks") {
+            &[]
+        } else {
+            &["--kv-blocks", "256"]
+        };
         let child = Command::new(env!("CARGO_BIN_EXE_tandem-dataplane"))
             .args(role_args)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .arg("--model")
             .arg(model_path())
-            .args(["--kv-blocks", "256", "--log-format", "json"])
+            .args(blocks)
+            .args(["--log-format", "json"])
             .args(extra)
             .envs(env.iter().copied())
             .stdout(Stdio::null())
@@ -164,6 +171,37 @@ impl Server {
                     .and_then(|rest| rest.trim().parse().ok())
             })
             .unwrap_or(0.0)
+    }
+
+    /// The sum of every sample of a family (`name{...} v` lines), 0 when absent.
+    pub fn metric_sum(&self, name: &str) -> f64 {
+        let body = self.get("/metrics").body;
+        body.lines()
+            .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+            .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+            .sum()
+    }
+
+    /// Lines of the JSON log that contain every one of `needles`.
+    pub fn log_lines(&self, needles: &[&str]) -> Vec<String> {
+        self.log_text()
+            .lines()
+            .filter(|l| needles.iter().all(|n| l.contains(n)))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// This process's incarnation as logged at start (16 hex digits).
+    pub fn incarnation(&self) -> String {
+        let line = self
+            .log_lines(&["process incarnation"])
+            .pop()
+            .unwrap_or_else(|| panic!("no incarnation logged:\n{}", self.log_text()));
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        v["fields"]["incarnation"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{line}"))
+            .to_owned()
     }
 
     pub fn sigterm(&self) {
