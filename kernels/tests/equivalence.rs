@@ -63,7 +63,7 @@ fn matmul_matches_reference_for_every_type_and_batch_size() {
             for r in 0..rows {
                 dequantize_row(ty, m.row(r), &mut deq[r * cols..(r + 1) * cols]).unwrap();
             }
-            for n_tok in [1usize, 2, 3, 4, 5, 8, 9, 16, 17, 24, 33, 35] {
+            for n_tok in [1usize, 2, 3, 4, 5, 8, 9, 16, 17, 24, 29, 33, 35] {
                 let x = rng.vec(n_tok * cols, 2.0);
                 let mut want = vec![0f32; n_tok * rows];
                 ScalarKernels
@@ -100,7 +100,8 @@ fn batched_matmul_is_bit_identical_to_single_token() {
             let w = rng.vec(rows * cols, 0.5);
             let bytes = encode(ty, rows, cols, &w);
             let m = Matrix::new(ty, rows, cols, &bytes).unwrap();
-            for n_tok in [2usize, 3, 7, 8, 9, 16, 17, 23, 32, 35] {
+            // Tiles span 1 or 4 groups of 8 tokens: full, partial last group, remainders.
+            for n_tok in [2usize, 3, 7, 8, 9, 16, 17, 23, 29, 32, 35, 40] {
                 let x = rng.vec(n_tok * cols, 2.0);
                 for (name, k) in backends() {
                     let mut batch = vec![f32::NAN; n_tok * rows];
@@ -341,6 +342,31 @@ fn elementwise_kernels_match_reference() {
         k.softmax(&mut sb);
         assert!((sa.iter().sum::<f32>() - 1.0).abs() < 1e-5);
         assert!(sa.iter().zip(&sb).all(|(p, q)| (p - q).abs() < 1e-7));
+    }
+}
+
+#[test]
+fn silu_matches_reference_on_tails_and_extremes() {
+    let mut rng = Rng(31);
+    let mut x = rng.vec(45, 12.0);
+    x.extend([
+        -200.0, -89.0, -88.0, -87.5, -30.0, 0.0, 30.0, 87.5, 88.5, 200.0, -0.0,
+    ]);
+    let up = rng.vec(x.len(), 2.0);
+    for n in [x.len(), 8, 7, 1] {
+        let mut want = x[..n].to_vec();
+        ScalarKernels.silu_mul(&mut want, &up[..n]).unwrap();
+        for (name, k) in backends() {
+            let mut got = x[..n].to_vec();
+            k.silu_mul(&mut got, &up[..n]).unwrap();
+            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-6 * a.abs().max(1.0),
+                    "{name} silu({}) at {i}: {a} vs {b}",
+                    x[i]
+                );
+            }
+        }
     }
 }
 

@@ -44,7 +44,29 @@ type BatchActs = Option<()>;
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
-    static OUT_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `offs[t] = kv_head_offset(table, block_tokens, row_bytes, head_bytes, t, g)` for every
+/// position, a block at a time (no division per position).
+fn fill_offsets(
+    offs: &mut [usize],
+    table: &[u32],
+    block_tokens: usize,
+    row_bytes: usize,
+    head_bytes: usize,
+    g: usize,
+) {
+    for (chunk, &block) in offs.chunks_mut(block_tokens).zip(table) {
+        let base = block as usize * block_tokens * row_bytes + g * head_bytes;
+        for (i, off) in chunk.iter_mut().enumerate() {
+            *off = base + i * row_bytes;
+        }
+    }
+    debug_assert!(
+        offs.iter().enumerate().all(|(t, &o)| {
+            o == kv_head_offset(table, block_tokens, row_bytes, head_bytes, t, g)
+        })
+    );
 }
 
 fn grow<T: Default + Clone>(v: &mut Vec<T>, n: usize) {
@@ -122,16 +144,21 @@ impl CpuKernels {
     fn quantize_acts(&self, x: &[f32], n_tok: usize, cols: usize) -> Result<Vec<BlockQ8>> {
         let nb = cols / QK;
         let mut act = vec![BlockQ8::default(); n_tok * nb];
+        // Shapes were validated, so the per-row calls cannot fail.
+        let quant = |xs: &[f32], a: &mut [BlockQ8]| match self.simd {
+            #[cfg(target_arch = "x86_64")]
+            Some(s) if cols.is_multiple_of(QK) => s.quantize_act_row(xs, a),
+            _ => {
+                let _ = quantize_act_row(xs, a);
+            }
+        };
         if n_tok < 8 {
             for (a, xs) in act.chunks_mut(nb).zip(x.chunks(cols)) {
-                quantize_act_row(xs, a)?;
+                quant(xs, a);
             }
         } else {
-            // Shapes were validated, so the per-row calls cannot fail.
             let rows: Vec<_> = act.chunks_mut(nb).zip(x.chunks(cols)).collect();
-            self.pool.for_each(rows, |_, (a, xs)| {
-                let _ = quantize_act_row(xs, a);
-            });
+            self.pool.for_each(rows, |_, (a, xs)| quant(xs, a));
         }
         Ok(act)
     }
@@ -179,8 +206,8 @@ impl CpuKernels {
         self.dot_f32(buf, x)
     }
 
-    /// Rows `r0..r0+nr` of `w` against all `n_tok` tokens into `out[t·nr + i]`, decoding
-    /// each weight row once.
+    /// Rows `r0..r0+nr` of `w` against every token into `out[t][i]` (one slice of `nr` per
+    /// token), decoding each weight row once.
     #[allow(clippy::too_many_arguments)]
     fn rows_batch(
         &self,
@@ -190,8 +217,7 @@ impl CpuKernels {
         act: &[BlockQ8],
         il: &BatchActs,
         x: &[f32],
-        n_tok: usize,
-        out: &mut [f32],
+        out: &mut [&mut [f32]],
     ) {
         let cols = w.cols;
         SCRATCH.with_borrow_mut(|sc| {
@@ -203,19 +229,19 @@ impl CpuKernels {
             let _ = il;
             if self.uses_q8(w) {
                 let nb = cols / QK;
-                for i in 0..nr {
-                    let row = w.row(r0 + i);
-                    for t in 0..n_tok {
-                        out[t * nr + i] = vec_dot_q8(w.ty, row, &act[t * nb..(t + 1) * nb]);
+                for (i, r) in (r0..r0 + nr).enumerate() {
+                    let row = w.row(r);
+                    for (o, a) in out.iter_mut().zip(act.chunks_exact(nb)) {
+                        o[i] = vec_dot_q8(w.ty, row, a);
                     }
                 }
                 return;
             }
             grow(&mut sc.f, cols);
-            for i in 0..nr {
-                self.decode_row(w.ty, w.row(r0 + i), &mut sc.f[..cols]);
-                for t in 0..n_tok {
-                    out[t * nr + i] = self.dot_f32(&sc.f[..cols], &x[t * cols..(t + 1) * cols]);
+            for (i, r) in (r0..r0 + nr).enumerate() {
+                self.decode_row(w.ty, w.row(r), &mut sc.f[..cols]);
+                for (o, xt) in out.iter_mut().zip(x.chunks_exact(cols)) {
+                    o[i] = self.dot_f32(&sc.f[..cols], xt);
                 }
             }
         });
@@ -226,7 +252,7 @@ impl CpuKernels {
     fn chunk_rows(&self, rows: usize, cols: usize, n_tok: usize) -> usize {
         let threads = self.pool.threads();
         // Multiples of 8 rows: the single-token kernel computes 8 rows at a time, the
-        // batch kernel TILE_R (a divisor of 8).
+        // batch kernel R rows per tile (a divisor of 8).
         let balance = rows.div_ceil(threads * 8).max(8).next_multiple_of(8);
         if n_tok == 1 {
             balance
@@ -288,50 +314,39 @@ impl Kernels for CpuKernels {
                 });
             return Ok(());
         }
-        // Batches: each task writes its rows for all tokens into its own contiguous
-        // region of a scratch buffer ([t][row]), scattered into the outputs afterwards.
+        // Batches: each task computes rows r0..r0+nr of one matrix for all tokens and
+        // writes them straight into the outputs, through one slice per token.
         #[cfg(target_arch = "x86_64")]
         let il: BatchActs = match self.simd {
             Some(_) if ws.iter().any(|w| self.uses_q8(w)) => {
-                Some(Interleaved::new(&act, n_tok, cols / QK))
+                Some(Interleaved::new(&act, n_tok, cols / QK, self.pool))
             }
             _ => None,
         };
         #[cfg(not(target_arch = "x86_64"))]
         let il: BatchActs = None;
-        let total: usize = ws.iter().map(|w| w.rows * n_tok).sum();
-        OUT_SCRATCH.with_borrow_mut(|scratch| {
-            grow(scratch, total);
-            let mut rest = &mut scratch[..total];
-            let mut parts = Vec::new();
-            for (j, w) in ws.iter().enumerate() {
-                let chunk = self.chunk_rows(w.rows, cols, n_tok);
-                let mut r0 = 0;
-                while r0 < w.rows {
-                    let nr = chunk.min(w.rows - r0);
-                    let (head, tail) = std::mem::take(&mut rest).split_at_mut(nr * n_tok);
-                    rest = tail;
-                    parts.push((j, r0, nr, head));
-                    r0 += nr;
+        let mut parts = Vec::new();
+        for (j, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+            let chunk = self.chunk_rows(w.rows, cols, n_tok);
+            let n_chunks = w.rows.div_ceil(chunk);
+            let mut per_chunk: Vec<Vec<&mut [f32]>> =
+                (0..n_chunks).map(|_| Vec::with_capacity(n_tok)).collect();
+            for row in out.chunks_mut(w.rows) {
+                for (c, piece) in row.chunks_mut(chunk).enumerate() {
+                    per_chunk[c].push(piece);
                 }
             }
-            let spans: Vec<(usize, usize, usize)> = parts.iter().map(|p| (p.0, p.1, p.2)).collect();
-            self.pool.for_each(
-                parts,
-                |_, (j, r0, nr, buf): (usize, usize, usize, &mut [f32])| {
-                    self.rows_batch(&ws[j], r0, nr, &act, &il, x, n_tok, buf)
-                },
-            );
-            let mut off = 0;
-            for (j, r0, nr) in spans {
-                let rows = ws[j].rows;
-                for t in 0..n_tok {
-                    outs[j][t * rows + r0..t * rows + r0 + nr]
-                        .copy_from_slice(&scratch[off + t * nr..off + (t + 1) * nr]);
-                }
-                off += nr * n_tok;
+            for (c, slices) in per_chunk.into_iter().enumerate() {
+                parts.push((j, c * chunk, slices));
             }
-        });
+        }
+        self.pool.for_each(
+            parts,
+            |_, (j, r0, mut o): (usize, usize, Vec<&mut [f32]>)| {
+                let nr = o[0].len();
+                self.rows_batch(&ws[j], r0, nr, &act, &il, x, &mut o)
+            },
+        );
         Ok(())
     }
 
@@ -353,7 +368,14 @@ impl Kernels for CpuKernels {
     }
 
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
-        ScalarKernels.silu_mul(gate, up)
+        match self.simd {
+            #[cfg(target_arch = "x86_64")]
+            Some(s) if gate.len() == up.len() => {
+                s.silu_mul(gate, up);
+                Ok(())
+            }
+            _ => ScalarKernels.silu_mul(gate, up),
+        }
     }
 
     fn softmax(&self, x: &mut [f32]) {
@@ -388,9 +410,7 @@ impl Kernels for CpuKernels {
                 grow(&mut sc.offs, n);
                 let (scores, rows) = (&mut sc.f[..g_size * n], &mut sc.f2[..n * hd]);
                 let offs = &mut sc.offs[..n];
-                for (t, off) in offs.iter_mut().enumerate() {
-                    *off = kv_head_offset(qu.block_table, k.block_tokens, k_row, k_head, t, g);
-                }
+                fill_offsets(offs, qu.block_table, k.block_tokens, k_row, k_head, g);
                 let fused = match self.simd {
                     #[cfg(target_arch = "x86_64")]
                     Some(sx) => sx.attn_scores(k.ty, k.data, offs, hd, qg, scale, scores),
@@ -418,9 +438,7 @@ impl Kernels for CpuKernels {
                         _ => ScalarKernels.softmax(row),
                     }
                 }
-                for (t, off) in offs.iter_mut().enumerate() {
-                    *off = kv_head_offset(qu.block_table, v.block_tokens, v_row, v_head, t, g);
-                }
+                fill_offsets(offs, qu.block_table, v.block_tokens, v_row, v_head, g);
                 let fused = match self.simd {
                     #[cfg(target_arch = "x86_64")]
                     Some(sx) => sx.attn_pv(v.ty, v.data, offs, hd, scores, o),
@@ -448,5 +466,40 @@ impl Kernels for CpuKernels {
             });
         });
         Ok(())
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn simd_activation_quantization_is_bit_identical_to_scalar() {
+        let Some(s) = Avx2::detect() else { return };
+        let mut seed = 99u64;
+        let mut f = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        let mut x: Vec<f32> = (0..32 * 40).map(|i| f() * (1 + i % 7) as f32).collect();
+        // Edge cases: all zeros, ties (x·id = k + 0.5), one huge value, negatives only.
+        x[..32].fill(0.0);
+        for (i, v) in x[32..64].iter_mut().enumerate() {
+            *v = (i as f32 - 16.0) + 0.5;
+        }
+        x[64..96].fill(1e-3);
+        x[70] = 1e30;
+        x[96..128].iter_mut().for_each(|v| *v = -v.abs() - 1.0);
+        let nb = x.len() / QK;
+        let (mut a, mut b) = (vec![BlockQ8::default(); nb], vec![BlockQ8::default(); nb]);
+        quantize_act_row(&x, &mut a).unwrap();
+        s.quantize_act_row(&x, &mut b);
+        for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+            assert_eq!(p.qs, q.qs, "block {i}");
+            assert_eq!(p.d.to_bits(), q.d.to_bits(), "block {i}");
+            assert_eq!(p.s.to_bits(), q.s.to_bits(), "block {i}");
+        }
     }
 }

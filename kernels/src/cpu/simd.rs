@@ -20,22 +20,29 @@
 //! sensitive to last-bit differences (a flipped int8 rounding of an activation
 //! propagates), so this matters.
 //!
-//! The batch kernel is register-tiled: [`TILE_R`] weight rows × [`TILE_G`]·8 tokens. The
-//! activations of 8 tokens are interleaved four codes at a time ([`Interleaved`]), so
-//! one broadcast of four weight codes times one contiguous load of activations gives 8
-//! tokens' partial dots at once (`maddubs`), accumulated in i16 over the block; each
-//! weight broadcast serves [`TILE_G`] loads and each activation load [`TILE_R`] rows.
+//! The batch kernel is register-tiled: R weight rows × G·8 tokens ([`TILE_4BIT`],
+//! [`TILE_8BIT`]). The activations of 8 tokens are interleaved four codes at a time
+//! ([`Interleaved`]), so one broadcast of four weight codes times one contiguous load of
+//! activations gives 8 tokens' partial dots at once (`maddubs`), accumulated in i16 over
+//! the block (i32 for Q8_0); each weight broadcast serves G loads and each activation
+//! load R rows. Q4_1's offset terms run in a second pass over the blocks.
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
 
+use super::pool::ThreadPool;
 use crate::quant::BlockQ8;
 use crate::types::{GgmlType, QK};
 
-/// Weight rows per batch tile.
-pub(crate) const TILE_R: usize = 4;
-/// Groups of 8 tokens per batch tile.
-pub(crate) const TILE_G: usize = 2;
+/// Register tile of the batch kernel for 4-bit weights: weight rows × groups of 8 tokens.
+/// Measured on Zen 3 (one thread, SmolLM2 layer shapes, 32 tokens): 4×1 beats 4×2 and
+/// 8×1 (both spill) by ~7 % and 2×2 by ~25 %.
+const TILE_4BIT: (usize, usize) = (4, 1);
+/// For Q8_0 weights (sign trick and i32 sums: twice the work per code, so each weight
+/// broadcast serves two token groups): 4×2 beats 4×1 and 2×4 by ~12 %.
+const TILE_8BIT: (usize, usize) = (4, 2);
+/// Most weight rows any tile holds.
+const TILE_R_MAX: usize = 4;
 
 /// Kinds of quantized weights, as const parameters of the kernels.
 /// Q4_1: unsigned codes 0..15 (`value = q·d + m`), i16 block sums.
@@ -80,26 +87,35 @@ pub(crate) struct Interleaved {
 }
 
 impl Interleaved {
-    /// `act` holds `n_tok` rows of `nb` blocks.
-    pub(crate) fn new(act: &[BlockQ8], n_tok: usize, nb: usize) -> Self {
+    /// `act` holds `n_tok` rows of `nb` blocks; groups of 8 tokens are interleaved in
+    /// parallel on `pool`.
+    pub(crate) fn new(act: &[BlockQ8], n_tok: usize, nb: usize, pool: &ThreadPool) -> Self {
         assert_eq!(act.len(), n_tok * nb);
         let groups = n_tok.div_ceil(8);
         let mut q = vec![Q32::default(); groups * nb * 8];
         let mut d = vec![0f32; groups * nb * 8];
         let mut s = vec![0f32; groups * nb * 8];
-        for (t, row) in act.chunks_exact(nb.max(1)).enumerate().take(n_tok) {
-            let (g, l) = (t / 8, t % 8);
-            for (b, blk) in row.iter().enumerate() {
-                let base = (g * nb + b) * 8;
-                for (j, quad) in blk.qs.chunks_exact(4).enumerate() {
-                    for (k, v) in quad.iter().enumerate() {
-                        q[base + j].0[4 * l + k] = *v as u8;
+        let per = (nb * 8).max(1);
+        let parts: Vec<_> = q
+            .chunks_mut(per)
+            .zip(d.chunks_mut(per))
+            .zip(s.chunks_mut(per))
+            .collect();
+        pool.for_each(parts, |g, ((q, d), s)| {
+            for l in 0..8.min(n_tok - 8 * g) {
+                let row = &act[(8 * g + l) * nb..(8 * g + l + 1) * nb];
+                for (b, blk) in row.iter().enumerate() {
+                    for (j, quad) in blk.qs.chunks_exact(4).enumerate() {
+                        let dst = &mut q[b * 8 + j].0[4 * l..4 * l + 4];
+                        for (o, v) in dst.iter_mut().zip(quad) {
+                            *o = *v as u8;
+                        }
                     }
+                    d[b * 8 + l] = blk.d;
+                    s[b * 8 + l] = blk.s;
                 }
-                d[base + l] = blk.d;
-                s[base + l] = blk.s;
             }
-        }
+        });
         Self {
             nb,
             groups,
@@ -173,7 +189,7 @@ impl Avx2 {
     }
 
     /// Rows `r0..r0+nr` of the quantized matrix `data` against all tokens of `il`, into
-    /// `out[t·nr + i]` (`nr = out.len() / n_tok`).
+    /// `out[t][i]` (one slice of `nr` per token).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemm_rows(
         self,
@@ -183,25 +199,50 @@ impl Avx2 {
         r0: usize,
         il: &Interleaved,
         sc: &mut TileScratch,
-        out: &mut [f32],
+        out: &mut [&mut [f32]],
     ) {
-        let (nb, k) = (il.nb, kind(ty));
-        let nr = out.len() / il.n_tok.max(1);
+        const R4: usize = TILE_4BIT.0;
+        const G4: usize = TILE_4BIT.1;
+        const R8: usize = TILE_8BIT.0;
+        const G8: usize = TILE_8BIT.1;
+        match kind(ty) {
+            U4 => self.gemm_rows_k::<U4, R4, G4>(ty, data, row_bytes, r0, il, sc, out),
+            S4 => self.gemm_rows_k::<S4, R4, G4>(ty, data, row_bytes, r0, il, sc, out),
+            _ => self.gemm_rows_k::<S8, R8, G8>(ty, data, row_bytes, r0, il, sc, out),
+        }
+    }
+
+    /// [`Self::gemm_rows`] with tiles of R rows × G groups of 8 tokens.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_rows_k<const K: u8, const R: usize, const G: usize>(
+        self,
+        ty: GgmlType,
+        data: &[u8],
+        row_bytes: usize,
+        r0: usize,
+        il: &Interleaved,
+        sc: &mut TileScratch,
+        out: &mut [&mut [f32]],
+    ) {
+        const { assert!(R <= TILE_R_MAX && G >= 1) };
+        let nb = il.nb;
+        let nr = out.first().map_or(0, |o| o.len());
         assert_eq!(row_bytes, nb * ty.block_bytes());
-        assert!(out.len() == nr * il.n_tok && (r0 + nr) * row_bytes <= data.len());
+        assert!(out.len() == il.n_tok && out.iter().all(|o| o.len() == nr));
+        assert!(nr > 0 && (r0 + nr) * row_bytes <= data.len());
         for v in [&mut sc.wa, &mut sc.ws] {
-            if v.len() < TILE_R * nb {
-                v.resize(TILE_R * nb, Q32::default());
+            if v.len() < R * nb {
+                v.resize(R * nb, Q32::default());
             }
         }
         for v in [&mut sc.d, &mut sc.m] {
-            if v.len() < TILE_R * nb {
-                v.resize(TILE_R * nb, 0.0);
+            if v.len() < R * nb {
+                v.resize(R * nb, 0.0);
             }
         }
         let mut rt = 0;
         while rt < nr {
-            for i in 0..TILE_R {
+            for i in 0..R {
                 // Rows past the end repeat the last row; their results are dropped.
                 let r = r0 + (rt + i).min(nr - 1);
                 let row = &data[r * row_bytes..(r + 1) * row_bytes];
@@ -214,17 +255,12 @@ impl Avx2 {
                     sc.ws[at.clone()].as_mut_ptr(),
                 );
                 let (d, m) = (sc.d[at.clone()].as_mut_ptr(), sc.m[at].as_mut_ptr());
-                unsafe {
-                    match k {
-                        U4 => unpack_row::<U4>(rp, wa, ws, d, m, nb),
-                        S4 => unpack_row::<S4>(rp, wa, ws, d, m, nb),
-                        _ => unpack_row::<S8>(rp, wa, ws, d, m, nb),
-                    }
-                };
+                unsafe { unpack_row::<K>(rp, wa, ws, d, m, nb) };
             }
+            let rows_here = R.min(nr - rt);
             let mut g = 0;
             while g < il.groups {
-                let two = g + TILE_G <= il.groups;
+                let full = g + G <= il.groups;
                 let at = g * nb * 8;
                 let p = TilePtrs {
                     wa: sc.wa.as_ptr(),
@@ -236,32 +272,46 @@ impl Avx2 {
                     s: il.s[at..].as_ptr(),
                     nb,
                 };
-                // SAFETY: features proven by the token; the scratch holds TILE_R rows of
-                // `nb` blocks, and `il` holds `nb` blocks of 8 lanes for groups
-                // `g..g+TILE_G` (only `g` is read when `two` is false).
-                let res = unsafe {
-                    match k {
-                        U4 => tile_any::<U4>(two, &p),
-                        S4 => tile_any::<S4>(two, &p),
-                        _ => tile_any::<S8>(two, &p),
+                // Writes rows rt.. of one group's results ([row] lanes = tokens).
+                let mut store = |gg: usize, res: &[__m256]| {
+                    let t0 = (g + gg) * 8;
+                    let n_here = (il.n_tok - t0).min(8);
+                    if res.len() == 4 && rows_here == 4 {
+                        // 4 rows × 8 tokens transposed: 4 consecutive values per token.
+                        // SAFETY: features proven by the token.
+                        let tr = unsafe { transpose4x8(res[0], res[1], res[2], res[3]) };
+                        for (l, v) in tr.iter().enumerate().take(n_here) {
+                            out[t0 + l][rt..rt + 4].copy_from_slice(v);
+                        }
+                        return;
                     }
-                };
-                for (i, rr) in res.iter().enumerate().take(nr - rt) {
-                    for (gg, v) in rr.iter().enumerate().take(if two { TILE_G } else { 1 }) {
-                        // SAFETY: __m256 and [f32; 8] have the same size and any bits
-                        // are valid for both.
+                    for (i, v) in res.iter().enumerate().take(rows_here) {
+                        // SAFETY: __m256 and [f32; 8] have the same size and any bits are
+                        // valid for both.
                         let lanes: [f32; 8] = unsafe { std::mem::transmute(*v) };
-                        for (l, x) in lanes.iter().enumerate() {
-                            let t = (g + gg) * 8 + l;
-                            if t < il.n_tok {
-                                out[t * nr + rt + i] = *x;
-                            }
+                        for (l, x) in lanes.iter().enumerate().take(n_here) {
+                            out[t0 + l][rt + i] = *x;
                         }
                     }
+                };
+                // SAFETY (both calls): features proven by the token; the scratch holds R
+                // rows of `nb` blocks, and `il` holds `nb` blocks of 8 lanes for groups
+                // `g..g+G` when `full`, else for group `g`.
+                if full {
+                    let res = unsafe { tile::<K, R, G>(&p) };
+                    for (gg, _) in res[0].iter().enumerate() {
+                        let col: [__m256; R] = std::array::from_fn(|i| res[i][gg]);
+                        store(gg, &col);
+                    }
+                    g += G;
+                } else {
+                    let res = unsafe { tile::<K, R, 1>(&p) };
+                    let col: [__m256; R] = std::array::from_fn(|i| res[i][0]);
+                    store(0, &col);
+                    g += 1;
                 }
-                g += if two { TILE_G } else { 1 };
             }
-            rt += TILE_R;
+            rt += R;
         }
     }
 
@@ -379,6 +429,23 @@ impl Avx2 {
         unsafe { softmax(x.as_mut_ptr(), x.len()) }
     }
 
+    /// [`crate::quant::quantize_act_row`] for rows whose length is a multiple of 32, with
+    /// the same bits: the same scale arithmetic, products and half-to-even rounding.
+    pub(crate) fn quantize_act_row(self, x: &[f32], out: &mut [BlockQ8]) {
+        assert_eq!(x.len(), out.len() * QK);
+        for (blk, xs) in out.iter_mut().zip(x.chunks_exact(QK)) {
+            // SAFETY: features proven by the token; `xs` holds 32 floats.
+            unsafe { quantize_block(xs.as_ptr(), blk) }
+        }
+    }
+
+    /// `gate = silu(gate) · up` with a vectorized exp.
+    pub(crate) fn silu_mul(self, gate: &mut [f32], up: &[f32]) {
+        assert_eq!(gate.len(), up.len());
+        // SAFETY: features proven by the token; both slices have `gate.len()` elements.
+        unsafe { silu_mul(gate.as_mut_ptr(), up.as_ptr(), gate.len()) }
+    }
+
     pub(crate) fn dot_f32(self, a: &[f32], b: &[f32]) -> f32 {
         assert_eq!(a.len(), b.len());
         // SAFETY: features proven by the token; both slices have `a.len()` elements.
@@ -413,6 +480,23 @@ impl Avx2 {
         // SAFETY: features proven by the token; `src` holds `nb` Q8_0 blocks.
         unsafe { q8_0_to_f32(src.as_ptr(), dst.as_mut_ptr(), nb) }
     }
+}
+
+/// Lanes of 4 vectors (rows) regrouped per lane: `out[l] = [a[l], b[l], c[l], d[l]]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn transpose4x8(a: __m256, b: __m256, c: __m256, d: __m256) -> [[f32; 4]; 8] {
+    let ab_lo = _mm256_unpacklo_ps(a, b); // a0 b0 a1 b1 | a4 b4 a5 b5
+    let ab_hi = _mm256_unpackhi_ps(a, b); // a2 b2 a3 b3 | a6 b6 a7 b7
+    let cd_lo = _mm256_unpacklo_ps(c, d);
+    let cd_hi = _mm256_unpackhi_ps(c, d);
+    let l0 = _mm256_shuffle_ps::<0b01_00_01_00>(ab_lo, cd_lo); // lanes 0 | 4
+    let l1 = _mm256_shuffle_ps::<0b11_10_11_10>(ab_lo, cd_lo); // lanes 1 | 5
+    let l2 = _mm256_shuffle_ps::<0b01_00_01_00>(ab_hi, cd_hi); // lanes 2 | 6
+    let l3 = _mm256_shuffle_ps::<0b11_10_11_10>(ab_hi, cd_hi); // lanes 3 | 7
+    // SAFETY: [__m256; 4] and [[f32; 4]; 8] have the same size and any bits are valid.
+    let v: [[f32; 4]; 8] = unsafe { std::mem::transmute([l0, l1, l2, l3]) };
+    [v[0], v[2], v[4], v[6], v[1], v[3], v[5], v[7]]
 }
 
 #[inline]
@@ -612,31 +696,12 @@ struct TilePtrs {
     nb: usize,
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_any<const K: u8>(two: bool, p: &TilePtrs) -> [[__m256; TILE_G]; TILE_R] {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        if two {
-            tile::<K, TILE_R, TILE_G>(p)
-        } else {
-            let one = tile::<K, TILE_R, 1>(p);
-            let mut out = [[_mm256_setzero_ps(); TILE_G]; TILE_R];
-            for (o, v) in out.iter_mut().zip(one) {
-                o[0] = v[0];
-            }
-            out
-        }
-    }
-}
-
 /// R unpacked rows × G groups of 8 tokens: see the module docs for the float steps.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const K: u8, const R: usize, const G: usize>(p: &TilePtrs) -> [[__m256; G]; R] {
     let nb = p.nb;
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); G]; R];
-    let mut accm = [[_mm256_setzero_ps(); G]; R];
     for b in 0..nb {
         // SAFETY: b < nb; the caller guarantees R rows of nb blocks in the weight
         // pointers and G groups of nb blocks of 8 lanes in the activation pointers.
@@ -682,8 +747,16 @@ unsafe fn tile<const K: u8, const R: usize, const G: usize>(p: &TilePtrs) -> [[_
                     *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, da), *a);
                 }
             }
-            if K == U4 {
-                for (r, mr) in accm.iter_mut().enumerate() {
+        }
+    }
+    if K == U4 {
+        // The offset terms in a second pass (fewer live registers in the main loop): the
+        // same fma chain over the blocks per lane, so the same bits.
+        let mut accm = [[_mm256_setzero_ps(); G]; R];
+        for b in 0..nb {
+            for (r, mr) in accm.iter_mut().enumerate() {
+                // SAFETY: as above.
+                unsafe {
                     let m = _mm256_set1_ps(*p.m.add(r * nb + b));
                     for (g, a) in mr.iter_mut().enumerate() {
                         *a = _mm256_fmadd_ps(m, _mm256_loadu_ps(p.s.add((g * nb + b) * 8)), *a);
@@ -691,8 +764,6 @@ unsafe fn tile<const K: u8, const R: usize, const G: usize>(p: &TilePtrs) -> [[_
                 }
             }
         }
-    }
-    if K == U4 {
         for (ar, mr) in acc.iter_mut().zip(accm) {
             for (a, m) in ar.iter_mut().zip(mr) {
                 *a = _mm256_add_ps(*a, m);
@@ -910,7 +981,8 @@ unsafe fn pv_k<const T: u8, const G: usize>(
 }
 
 /// Scores of G heads against the K rows at `offs`: each row is decoded 8 values at a
-/// time in registers and shared by the G heads; 8 positions are reduced together.
+/// time in registers and shared by the G heads; two positions share each load of the
+/// queries, and 8 positions are reduced together.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scores_k<const T: u8, const G: usize>(
@@ -927,40 +999,51 @@ unsafe fn scores_k<const T: u8, const G: usize>(
     while t0 < n {
         let m = (n - t0).min(8);
         let mut part = [[_mm256_setzero_ps(); 8]; G];
-        for i in 0..m {
-            // SAFETY: t0 + i < n; the caller guarantees `hd` values of type T at every
-            // offset, G·hd floats in `q` and G·n floats in `out`.
+        let mut i = 0;
+        while i < m {
+            let two = i + 1 < m;
+            // SAFETY: t0 + i (+ 1 when `two`) < n; the caller guarantees `hd` values of
+            // type T at every offset and G·hd floats in `q`.
             unsafe {
-                let row = data.add(*offs.add(t0 + i));
-                // Two accumulators per head (even and odd chunks) halve the FMA chain.
+                let r0 = data.add(*offs.add(t0 + i));
+                let r1 = if two {
+                    data.add(*offs.add(t0 + i + 1))
+                } else {
+                    r0
+                };
                 let mut acc = [[_mm256_setzero_ps(); 2]; G];
-                let mut d = _mm256_setzero_ps();
+                let (mut d0, mut d1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                 for c in 0..hd / 8 {
-                    let kv = if T == KQ8 {
+                    let (k0, k1) = if T == KQ8 {
                         // One scale per 32-value block, converted once.
-                        let blk = row.add(34 * (c / 4));
+                        let (b0, b1) = (r0.add(34 * (c / 4)), r1.add(34 * (c / 4)));
                         if c % 4 == 0 {
-                            d = _mm256_set1_ps(f16x1(blk));
+                            d0 = _mm256_set1_ps(f16x1(b0));
+                            d1 = _mm256_set1_ps(f16x1(b1));
                         }
-                        let v = _mm_loadl_epi64(blk.add(2 + 8 * (c % 4)).cast());
-                        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d)
+                        let v0 = _mm_loadl_epi64(b0.add(2 + 8 * (c % 4)).cast());
+                        let v1 = _mm_loadl_epi64(b1.add(2 + 8 * (c % 4)).cast());
+                        (
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)), d0),
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), d1),
+                        )
                     } else {
-                        load8::<T>(row, c)
+                        (load8::<T>(r0, c), load8::<T>(r1, c))
                     };
                     for (h, a) in acc.iter_mut().enumerate() {
                         let qv = _mm256_loadu_ps(q.add(h * hd + 8 * c));
-                        a[c % 2] = _mm256_fmadd_ps(qv, kv, a[c % 2]);
+                        a[0] = _mm256_fmadd_ps(qv, k0, a[0]);
+                        a[1] = _mm256_fmadd_ps(qv, k1, a[1]);
                     }
                 }
-                let mut sum = [_mm256_setzero_ps(); G];
-                for (s, a) in sum.iter_mut().zip(acc) {
-                    *s = _mm256_add_ps(a[0], a[1]);
-                }
-                let acc = sum;
                 for (ph, a) in part.iter_mut().zip(acc) {
-                    ph[i] = a;
+                    ph[i] = a[0];
+                    if two {
+                        ph[i + 1] = a[1];
+                    }
                 }
             }
+            i += 2;
         }
         for (h, ph) in part.into_iter().enumerate() {
             let v = _mm256_mul_ps(sum8_ps(ph), scale);
@@ -1006,6 +1089,69 @@ fn exp_ps(x: __m256) -> __m256 {
         _mm256_set1_epi32(127),
     ));
     _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_block(x: *const f32, blk: &mut BlockQ8) {
+    // SAFETY: the caller passes 32 readable floats.
+    let v: [__m256; 4] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(x.add(8 * j)) });
+    let sign = _mm256_set1_ps(-0.0);
+    let m = v.iter().fold(_mm256_setzero_ps(), |m, x| {
+        _mm256_max_ps(m, _mm256_andnot_ps(sign, *x))
+    });
+    // SAFETY: __m256 and [f32; 8] have the same size and any bits are valid.
+    let lanes: [f32; 8] = unsafe { std::mem::transmute(m) };
+    let amax = lanes.iter().fold(0f32, |m, v| m.max(*v));
+    let (d, id) = crate::quant::q8_scale(amax);
+    let (idv, lo, hi) = (
+        _mm256_set1_ps(id),
+        _mm256_set1_ps(-127.0),
+        _mm256_set1_ps(127.0),
+    );
+    let q: [__m256i; 4] = std::array::from_fn(|j| {
+        let c = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[j], idv), lo), hi);
+        _mm256_cvtps_epi32(_mm256_round_ps::<
+            { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+        >(c))
+    });
+    let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    // SAFETY: as above, for i32 lanes.
+    let sl: [i32; 8] = unsafe { std::mem::transmute(sum) };
+    // Packing works per 128-bit half; the permute restores element order.
+    let p16a = _mm256_packs_epi32(q[0], q[1]);
+    let p16b = _mm256_packs_epi32(q[2], q[3]);
+    let p8 = _mm256_packs_epi16(p16a, p16b);
+    let p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    // SAFETY: `qs` is 32 writable bytes.
+    unsafe { _mm256_storeu_si256(blk.qs.as_mut_ptr().cast(), p8) };
+    blk.d = d;
+    blk.s = d * sl.iter().sum::<i32>() as f32;
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn silu_mul(g: *mut f32, u: *const f32, n: usize) {
+    let one = _mm256_set1_ps(1.0);
+    // exp(-x) for x < -88 would overflow; silu(x) is -0 to f32 precision there anyway.
+    let lim = _mm256_set1_ps(88.0);
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n, inside the caller's two slices of n floats.
+        unsafe {
+            let x = _mm256_loadu_ps(g.add(i));
+            let e = exp_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), lim));
+            let s = _mm256_div_ps(x, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(g.add(i), _mm256_mul_ps(s, _mm256_loadu_ps(u.add(i))));
+        }
+        i += 8;
+    }
+    while i < n {
+        // SAFETY: i < n.
+        unsafe {
+            let x = *g.add(i);
+            *g.add(i) = x / (1.0 + (-x).exp()) * *u.add(i);
+        }
+        i += 1;
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -1,0 +1,139 @@
+//! Kernel microbenchmark on SmolLM2-135M's shapes with synthetic weights.
+//!
+//! TANDEM_THREADS=1 cargo run --release -p tandem-kernels --example bench_kernels
+//!
+//! Each figure is the minimum wall time over repetitions (default 20, `REPS=n`): with one
+//! thread that filters out most preemption on a shared machine.
+
+use std::time::Instant;
+
+use tandem_kernels::{
+    AttnQuery, AttnShape, CpuKernels, GgmlType, Kernels, KvView, Matrix, quantize_row,
+};
+
+/// Minimum wall time over `reps` runs of `f`, in ms.
+fn time(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .fold(f64::MAX, f64::min)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn f(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+}
+
+fn encode(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let rb = ty.row_bytes(cols).unwrap();
+    let mut bytes = vec![0u8; rows * rb];
+    for row in bytes.chunks_mut(rb) {
+        quantize_row(ty, &rng.vec(cols), row).unwrap();
+    }
+    bytes
+}
+
+fn main() {
+    let k = CpuKernels::new();
+    println!("{k:?}");
+    let mut rng = Rng(1);
+    let reps = std::env::var("REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    // One layer's matrices (as called by the forward pass) and the output matrix.
+    let shapes: [(&str, GgmlType, &[usize], usize); 4] = [
+        ("qkv", GgmlType::Q4_1, &[576, 192, 192], 576),
+        ("gate+up", GgmlType::Q4_1, &[1536, 1536], 576),
+        ("down", GgmlType::Q4_1, &[576], 1536),
+        ("output", GgmlType::Q8_0, &[49152], 576),
+    ];
+    for n_tok in [1usize, 32] {
+        let mut layer_total = 0.0;
+        for (name, ty, rows, cols) in shapes {
+            let data: Vec<Vec<u8>> = rows
+                .iter()
+                .map(|&r| encode(&mut rng, ty, r, cols))
+                .collect();
+            let ms: Vec<Matrix> = rows
+                .iter()
+                .zip(&data)
+                .map(|(&r, d)| Matrix::new(ty, r, cols, d).unwrap())
+                .collect();
+            let x = rng.vec(n_tok * cols);
+            let mut outs: Vec<Vec<f32>> = rows.iter().map(|&r| vec![0f32; r * n_tok]).collect();
+            let ms_ = time(reps, || {
+                let mut o: Vec<&mut [f32]> = outs.iter_mut().map(|v| &mut v[..]).collect();
+                k.matmul(&ms, &x, n_tok, &mut o).unwrap();
+            });
+            let macs = rows.iter().sum::<usize>() * cols * n_tok;
+            println!(
+                "matmul {name:8} T={n_tok:2}: {ms_:8.3} ms  {:6.1} G MAC/s",
+                macs as f64 / ms_ / 1e6
+            );
+            if name != "output" {
+                layer_total += ms_;
+            }
+        }
+        println!(
+            "  layer matmuls T={n_tok}: {layer_total:.3} ms, x30 = {:.1} ms",
+            layer_total * 30.0
+        );
+    }
+    // Attention: 32 queries over 480 positions each, Q8_0 KV, 9 heads / 3 KV heads.
+    let s = AttnShape {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 64,
+    };
+    for ty in [GgmlType::Q8_0, GgmlType::F16] {
+        let (bt, ctx, nq) = (16usize, 480usize, 32usize);
+        let rb = ty.row_bytes(s.kv_dim()).unwrap();
+        let blocks = nq * ctx / bt;
+        let kp = encode(&mut rng, ty, blocks * bt, s.kv_dim());
+        let vp = encode(&mut rng, ty, blocks * bt, s.kv_dim());
+        assert_eq!(kp.len(), blocks * bt * rb);
+        let tables: Vec<Vec<u32>> = (0..nq)
+            .map(|i| ((i * ctx / bt) as u32..((i + 1) * ctx / bt) as u32).collect())
+            .collect();
+        let queries: Vec<AttnQuery> = tables
+            .iter()
+            .map(|t| AttnQuery {
+                block_table: t,
+                n_ctx: ctx,
+            })
+            .collect();
+        let q = rng.vec(nq * s.q_dim());
+        let mut out = vec![0f32; q.len()];
+        let kv = KvView {
+            ty,
+            data: &kp,
+            block_tokens: bt,
+        };
+        let vv = KvView {
+            ty,
+            data: &vp,
+            block_tokens: bt,
+        };
+        let ms_ = time(reps, || {
+            k.attention(&s, &q, &queries, &kv, &vv, &mut out).unwrap();
+        });
+        println!(
+            "attention {ty} 32 x 480: {ms_:8.3} ms, x30 = {:.1} ms",
+            ms_ * 30.0
+        );
+    }
+}
