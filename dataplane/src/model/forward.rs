@@ -1,6 +1,7 @@
 //! One batched forward step. All tokens of all sequences in the batch form one matrix, so
 //! each weight matrix is read once per step whatever the batch size.
 
+use tandem_kernels::cpu::ThreadPool;
 use tandem_kernels::{AttnQuery, AttnShape, Kernels, RopeTable};
 
 use super::config::LlamaConfig;
@@ -28,6 +29,9 @@ pub(crate) struct Buffers {
     o: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+    /// Output logits: every element is written by the matmul, so it is only resized
+    /// (never cleared) between steps.
+    logits: Vec<f32>,
 }
 
 fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
@@ -57,6 +61,7 @@ impl Forward<'_> {
         let n = slots.len();
         let (dim, qd, kvd, ffn) = (c.dim, c.q_dim(), c.kv_dim(), c.ffn_dim);
         let positions: Vec<usize> = slots.iter().map(|s| s.pos).collect();
+        let seq_pos: Vec<(SeqId, usize)> = slots.iter().map(|s| (s.seq, s.pos)).collect();
         let shape = AttnShape {
             n_heads: c.n_heads,
             n_kv_heads: c.n_kv_heads,
@@ -85,15 +90,7 @@ impl Forward<'_> {
             )?;
             k.rope(&mut b.q, c.n_heads, c.head_dim, &positions, self.rope)?;
             k.rope(&mut b.k, c.n_kv_heads, c.head_dim, &positions, self.rope)?;
-            for (i, s) in slots.iter().enumerate() {
-                kv.write(
-                    l,
-                    s.seq,
-                    s.pos,
-                    &b.k[i * kvd..(i + 1) * kvd],
-                    &b.v[i * kvd..(i + 1) * kvd],
-                )?;
-            }
+            kv.write_batch(l, &seq_pos, &b.k, &b.v, ThreadPool::global())?;
             let queries: Vec<AttnQuery<'_>> = slots
                 .iter()
                 .map(|s| AttnQuery {
@@ -133,14 +130,14 @@ impl Forward<'_> {
     }
 
     /// Logits for rows of final hidden states.
-    pub fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
+    pub fn logits<'b>(&self, hidden: &[f32], b: &'b mut Buffers) -> Result<&'b [f32]> {
         let n = hidden.len() / self.cfg.dim;
-        let mut out = vec![0f32; n * self.cfg.vocab_size];
+        let out = sized(&mut b.logits, n * self.cfg.vocab_size);
         self.k.matmul(
             &[self.w.output.matrix(self.w.file())],
             hidden,
             n,
-            &mut [&mut out],
+            &mut [&mut *out],
         )?;
         Ok(out)
     }

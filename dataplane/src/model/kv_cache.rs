@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 
+use tandem_kernels::cpu::ThreadPool;
 use tandem_kernels::{GgmlType, KvView, quantize_row};
 
 use crate::engine_api::{KvUsage, SeqId};
@@ -177,6 +178,55 @@ impl PagedKvCache {
         let rb = self.row_bytes;
         quantize_row(self.cfg.dtype, k, &mut self.k[layer][off..off + rb])?;
         quantize_row(self.cfg.dtype, v, &mut self.v[layer][off..off + rb])?;
+        Ok(())
+    }
+
+    /// Store the K and V rows of several tokens (`slots[i] = (seq, pos)`, rows of
+    /// `kv_dim` in `k` and `v`) in `layer`, converted in parallel on `pool` for batches.
+    /// Each row is converted exactly as by [`Self::write`].
+    pub fn write_batch(
+        &mut self,
+        layer: usize,
+        slots: &[(SeqId, usize)],
+        k: &[f32],
+        v: &[f32],
+        pool: &ThreadPool,
+    ) -> Result<()> {
+        let (kvd, rb, ty) = (self.kv_dim, self.row_bytes, self.cfg.dtype);
+        if slots.len() < 8 {
+            for (i, &(seq, pos)) in slots.iter().enumerate() {
+                let (kr, vr) = (&k[i * kvd..(i + 1) * kvd], &v[i * kvd..(i + 1) * kvd]);
+                self.write(layer, seq, pos, kr, vr)?;
+            }
+            return Ok(());
+        }
+        let mut order = Vec::with_capacity(slots.len());
+        for (i, &(seq, pos)) in slots.iter().enumerate() {
+            order.push((self.slot(seq, pos)?, i));
+        }
+        order.sort_unstable();
+        if order.windows(2).any(|w| w[0].0 == w[1].0) {
+            return Err(Error::InvalidInput(
+                "two tokens of one step write the same KV slot".into(),
+            ));
+        }
+        // Disjoint destination rows, cut off the pools in increasing offset order.
+        let mut parts = Vec::with_capacity(order.len());
+        let (mut krest, mut vrest) = (&mut self.k[layer][..], &mut self.v[layer][..]);
+        let mut at = 0;
+        for &(off, i) in &order {
+            let (_, kt) = std::mem::take(&mut krest).split_at_mut(off - at);
+            let (kd, kt) = kt.split_at_mut(rb);
+            let (_, vt) = std::mem::take(&mut vrest).split_at_mut(off - at);
+            let (vd, vt) = vt.split_at_mut(rb);
+            (krest, vrest, at) = (kt, vt, off + rb);
+            parts.push((i, kd, vd));
+        }
+        pool.for_each(parts, |_, (i, kd, vd)| {
+            // Sizes match (kv_dim floats into one row of the cache's type): cannot fail.
+            let _ = quantize_row(ty, &k[i * kvd..(i + 1) * kvd], kd);
+            let _ = quantize_row(ty, &v[i * kvd..(i + 1) * kvd], vd);
+        });
         Ok(())
     }
 

@@ -235,7 +235,7 @@ impl ModelRunner for CpuModelRunner {
             k: self.kernels.as_ref(),
         };
         let hidden = fwd.run(&slots, &mut self.kv, &want, &mut self.buffers)?;
-        let logits = fwd.logits(&hidden)?;
+        let logits = fwd.logits(&hidden, &mut self.buffers)?;
         for b in batch {
             let len = self.kv.len(b.seq) + b.tokens.len();
             self.kv.set_len(b.seq, len);

@@ -285,7 +285,10 @@ impl Kernels for CpuKernels {
         if n_tok == 0 || ws.is_empty() {
             return Ok(());
         }
-        let act = if ws.iter().any(|w| self.uses_q8(w)) {
+        let any_q8 = ws.iter().any(|w| self.uses_q8(w));
+        // The SIMD batch kernel reads only the interleaved activations, which are
+        // quantized and interleaved in one dispatch below.
+        let act = if any_q8 && !(n_tok > 1 && self.simd.is_some() && cols.is_multiple_of(QK)) {
             self.quantize_acts(x, n_tok, cols)?
         } else {
             Vec::new()
@@ -318,9 +321,10 @@ impl Kernels for CpuKernels {
         // writes them straight into the outputs, through one slice per token.
         #[cfg(target_arch = "x86_64")]
         let il: BatchActs = match self.simd {
-            Some(_) if ws.iter().any(|w| self.uses_q8(w)) => {
-                Some(Interleaved::new(&act, n_tok, cols / QK, self.pool))
+            Some(s) if any_q8 && act.is_empty() => {
+                Some(Interleaved::from_f32(s, x, n_tok, cols / QK, self.pool))
             }
+            Some(_) if any_q8 => Some(Interleaved::new(&act, n_tok, cols / QK, self.pool)),
             _ => None,
         };
         #[cfg(not(target_arch = "x86_64"))]
