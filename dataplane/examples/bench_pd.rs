@@ -9,9 +9,12 @@
 //! 1. `--role both` alone, then one prefill + one decode on loopback (never both at once):
 //!    streaming `/v1/completions`, TTFT p50/p99 (request sent → first SSE event) and output
 //!    throughput (completion tokens / wall time) at concurrency 1 and 32.
-//! 2. KV transfer: the protocol's KV_CHUNK stream (real codec, `chunks::split`, CRC-32 and
-//!    reassembly on the receiver) over a ZeroMQ DEALER → ROUTER on loopback TCP, against a
-//!    raw loopback TCP stream of the same bytes, measured in the same run.
+//! 2. KV transfer: the protocol's KV_CHUNK stream exactly as the roles move it
+//!    (`chunks::plan` with CRC-32C, `kv::encode_chunk` into a frame ZeroMQ takes by
+//!    ownership, `kv::decode_borrowed` in place, CRC check and one copy into the
+//!    reassembly buffer) over a ZeroMQ DEALER → ROUTER on loopback TCP, against a raw
+//!    loopback TCP stream of the same bytes, measured in the same run. `--kv-only` runs
+//!    this part alone.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -19,8 +22,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tandem_dataplane::kv::chunks::{Assembler, split};
-use tandem_dataplane::kv::{self, Envelope, HEADER_LEN, MAX_PAYLOAD, Message};
+use tandem_dataplane::kv::chunks::{Assembler, BufferPool, plan};
+use tandem_dataplane::kv::{self, HEADER_LEN, MAX_PAYLOAD};
 
 const MAX_TOKENS: usize = 32;
 const PROMPT: &str = "You are a helpful assistant. Summarise the following in one sentence: \
@@ -218,38 +221,48 @@ fn zmq_throughput(buf: &[u8], rounds: usize) -> f64 {
     let total = buf.len();
     let receiver = std::thread::spawn(move || {
         let mut rounds_done = 0;
-        let mut asm = Assembler::default();
+        // As the decode does: reassembly buffers are reused across rooms.
+        let pool = BufferPool::default();
+        let mut asm = Assembler::with_pool(pool.clone());
         while rounds_done < rounds {
-            let f = router.recv_multipart(0).unwrap();
-            let env = kv::decode(&[&f[1], &f[2]]).unwrap();
-            let Message::KvChunk(c) = env.msg else {
+            // As the decode's loop does: frames stay ZeroMQ messages, the chunk header is
+            // read in place, the data is checksummed and copied once into the buffer.
+            let mut f = [
+                zmq::Message::new(),
+                zmq::Message::new(),
+                zmq::Message::new(),
+            ];
+            for m in &mut f {
+                router.recv(m, 0).unwrap();
+            }
+            let (_, d) = kv::decode_borrowed(&[&f[1][..], &f[2][..]]).unwrap();
+            let kv::Decoded::Chunk(c) = d else {
                 panic!("unexpected message")
             };
-            if asm.push(&c, u64::MAX).unwrap() {
-                assert_eq!(asm.received_bytes(), total);
-                asm = Assembler::default();
+            if asm.push(c, u64::MAX).unwrap() {
+                // Handed on whole (to the import, in the decode), then released.
+                let done = std::mem::replace(&mut asm, Assembler::with_pool(pool.clone()));
+                assert_eq!(done.into_payload().len(), total);
                 rounds_done += 1;
             }
         }
         Instant::now()
     });
-    let dealer = ctx.socket(zmq::DEALER).unwrap();
+    // The sender's own context (own I/O thread), as in a separate prefill process.
+    let dealer_ctx = zmq::Context::new();
+    let dealer = dealer_ctx.socket(zmq::DEALER).unwrap();
     dealer.set_sndhwm(10_000).unwrap();
     dealer.connect(&format!("tcp://127.0.0.1:{port}")).unwrap();
     std::thread::sleep(Duration::from_millis(200));
     // From the first chunk being cut (CRC, copy) to the last one reassembled.
     let t0 = Instant::now();
     for r in 0..rounds {
-        for c in split(buf) {
-            let [h, p] = kv::encode(&Envelope {
-                incarnation: 1,
-                group_incarnation: 0,
-                room: r as u64 + 1,
-                msg: Message::KvChunk(c),
-            });
-            dealer
-                .send_multipart([h.as_slice(), p.as_slice()], 0)
-                .unwrap();
+        // As the prefill's loop does: one CRC pass and one copy into the payload frame,
+        // which ZeroMQ takes by ownership.
+        for c in plan(buf) {
+            let [h, p] = kv::encode_chunk(1, 0, r as u64 + 1, &c);
+            dealer.send(h, zmq::SNDMORE).unwrap();
+            dealer.send(zmq::Message::from(p), 0).unwrap();
         }
     }
     let took = receiver.join().unwrap() - t0;
@@ -294,6 +307,10 @@ fn main() {
         "prompt ~{} chars, max_tokens {MAX_TOKENS}, streaming /v1/completions",
         PROMPT.len()
     );
+    if std::env::args().any(|a| a == "--kv-only") {
+        kv_transfer();
+        return;
+    }
     let results = serving(&bin, &model);
     println!("| setup | C  | TTFT p50 | TTFT p99 | output tok/s |");
     println!("|-------|----|----------|----------|--------------|");
@@ -314,8 +331,11 @@ fn main() {
     };
     let overhead = (at("pd", 1) / at("both", 1) - 1.0) * 100.0;
     println!("PD overhead on TTFT p50 at C=1: {overhead:+.1} % (target <= 20 %)");
+    kv_transfer();
+}
 
-    // 64 MiB per round, as 4 MiB chunks: a ~2,900-token prompt of SmolLM2 in F16.
+fn kv_transfer() {
+    // 64 MiB per round, as 30 layer chunks of ~2.2 MiB: a ~2,900-token prompt of SmolLM2 in F16.
     let buf = export_buffer(64 << 20);
     let rounds = 8;
     let z = zmq_throughput(&buf, rounds);

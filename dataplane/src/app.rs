@@ -103,6 +103,7 @@ pub fn build(cfg: &Config) -> Result<App> {
         default_max_tokens: cfg.default_max_tokens.max(1),
         metrics,
         max_heartbeat_age: cfg.engine_stall(),
+        header_read_timeout: cfg.http_header_timeout(),
         role: cfg.role.as_str(),
         draining: AtomicBool::new(false),
         pd,

@@ -77,6 +77,11 @@ pub struct Config {
     /// On SIGTERM, how long in-flight requests may run before the process exits anyway.
     #[arg(long, env = "TANDEM_DRAIN_SECS", default_value_t = 30.0)]
     pub drain_secs: f64,
+    /// Seconds a client may take to send a request head (the line and headers), and that an
+    /// idle keep-alive connection stays open; then the connection is closed and counted as
+    /// `tandem_http_connection_errors_total{kind="timeout"}`.
+    #[arg(long, env = "TANDEM_HTTP_HEADER_TIMEOUT_SECS", default_value_t = 10.0)]
+    pub http_header_timeout_secs: f64,
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
     /// Prefill: TCP port of the KV transfer ROUTER socket.
@@ -154,6 +159,10 @@ impl Config {
                 .unwrap_or_default();
             f.strip_suffix(".gguf").map(str::to_owned).unwrap_or(f)
         })
+    }
+
+    pub fn http_header_timeout(&self) -> Duration {
+        secs(self.http_header_timeout_secs)
     }
 
     pub fn drain(&self) -> Duration {

@@ -74,7 +74,7 @@ pub enum Transfer {
 
 pub struct ImportedKv {
     /// A `model::kv_transfer` buffer holding exactly the prompt's tokens.
-    pub payload: Vec<u8>,
+    pub payload: crate::kv::chunks::KvPayload,
     pub first_token: u32,
     pub first_logprob: Option<TokenLogprob>,
 }

@@ -51,6 +51,9 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// `/ready` fails when the engine loop has not gone round for this long.
     pub max_heartbeat_age: Duration,
+    /// Longest a client may take to send a request head (and an idle keep-alive
+    /// connection may wait for the next one) before the connection is closed.
+    pub header_read_timeout: Duration,
     pub role: &'static str,
     /// Set on SIGTERM: readiness fails so no new traffic is routed here while draining.
     pub draining: AtomicBool,
@@ -124,12 +127,17 @@ async fn connection(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let state_metrics = state.metrics.clone();
+    let header_timeout = state.header_read_timeout;
     let svc = service_fn(move |req| {
         let state = state.clone();
         async move { Ok::<_, Infallible>(route(state, req).await) }
     });
-    let conn =
-        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc);
+    // A client that never finishes its request head must not hold a connection (and its
+    // task) forever: hyper closes it after `header_timeout` with a timeout error.
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .serve_connection(TokioIo::new(stream), svc);
     tokio::pin!(conn);
     let res = tokio::select! {
         r = conn.as_mut() => r,

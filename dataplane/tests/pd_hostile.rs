@@ -110,9 +110,9 @@ fn hostile_input_is_counted_by_kind_and_serving_continues() {
     c.raw(&[&unknown, &ping[1]]);
     c.raw(&[&ping[0], &ping[1][..5]]);
     // Another protocol version is refused with the reason.
-    let mut v2 = ping[0].clone();
-    v2[4..6].copy_from_slice(&2u16.to_le_bytes());
-    c.raw(&[&v2, &ping[1]]);
+    let mut other = ping[0].clone();
+    other[4..6].copy_from_slice(&(kv::PROTOCOL_VERSION + 1).to_le_bytes());
+    c.raw(&[&other, &ping[1]]);
     c.expect_reject(RejectReason::VersionMismatch);
     // Room messages before a handshake: refused, no state.
     c.send(&env(&me, 77, Message::Abort));
@@ -176,7 +176,7 @@ fn hostile_input_is_counted_by_kind_and_serving_continues() {
             end_layer: 1,
             offset: 0,
             total: 4,
-            crc32: kv::checksum::crc32(b"kv!!"),
+            crc32: kv::checksum::crc32c(b"kv!!"),
             data: b"kv!!".to_vec(),
         }),
     ));

@@ -314,7 +314,7 @@ mod tests {
         let d = ident(1);
         let p = ident(2);
         let hello = Initiator::new([1; 32]).hello(&d);
-        let (_, pending) = respond_hello(&p, &a, 1, 1, 7, &hello, [2; 32]).unwrap();
+        let (_, pending) = respond_hello(&p, &a, PROTOCOL_VERSION, 1, 7, &hello, [2; 32]).unwrap();
         let forged = Message::Auth { mac: [0; 32] };
         assert_eq!(
             check_auth(&a, &pending, 1, &forged).unwrap_err().0,
@@ -374,7 +374,8 @@ mod tests {
         let k = GroupKey::new(*b"supersecretkey");
         assert!(!format!("{k:?}").contains("supersecret"));
         let hello = Initiator::new([3; 32]).hello(&ident(1));
-        let (welcome, _) = respond_hello(&ident(2), &k, 1, 1, 7, &hello, [4; 32]).unwrap();
+        let (welcome, _) =
+            respond_hello(&ident(2), &k, PROTOCOL_VERSION, 1, 7, &hello, [4; 32]).unwrap();
         let frames = super::super::encode(&super::super::Envelope {
             incarnation: 2,
             group_incarnation: 7,

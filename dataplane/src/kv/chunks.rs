@@ -2,11 +2,13 @@
 //! boundaries, and reassembling them on the receiver with validation (rule 9: every chunk
 //! names its room, and must be the next expected chunk with a matching checksum).
 
-use super::checksum::crc32;
-use super::message::KvChunk;
+use std::sync::{Arc, Mutex};
+
+use super::checksum::crc32c;
+use super::message::{KvChunk, KvChunkRef};
 
 /// Largest chunk of KV bytes sent in one message (several layers share a chunk up to this;
-/// a single layer larger than this is still sent whole).
+/// a single layer larger than this is still sent whole, up to `kv::MAX_PAYLOAD`).
 pub const MAX_CHUNK: usize = 4 << 20;
 /// Size of the `TKV1` export header, which rides in the first chunk.
 const EXPORT_HEADER: usize = 32;
@@ -15,6 +17,12 @@ const EXPORT_HEADER: usize = 32;
 /// header; a buffer that does not look like one is sent as a single chunk (the importer
 /// will refuse it with a precise error).
 pub fn split(payload: &[u8]) -> Vec<KvChunk> {
+    plan(payload).iter().map(KvChunkRef::to_owned).collect()
+}
+
+/// [`split`] without copying: each chunk borrows its bytes from `payload` (checksummed
+/// here, once).
+pub fn plan(payload: &[u8]) -> Vec<KvChunkRef<'_>> {
     let layers = payload
         .get(8..12)
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
@@ -52,15 +60,15 @@ pub fn split(payload: &[u8]) -> Vec<KvChunk> {
     ranges
         .into_iter()
         .enumerate()
-        .map(|(i, (fl, el, a, b))| KvChunk {
+        .map(|(i, (fl, el, a, b))| KvChunkRef {
             index: i as u32,
             count,
             first_layer: fl,
             end_layer: el,
             offset: a as u64,
             total: payload.len() as u64,
-            crc32: crc32(&payload[a..b]),
-            data: payload[a..b].to_vec(),
+            crc32: crc32c(&payload[a..b]),
+            data: &payload[a..b],
         })
         .collect()
 }
@@ -86,6 +94,97 @@ pub enum ChunkError {
     TooLarge(u64),
 }
 
+/// Most bytes of reassembly buffers a [`BufferPool`] keeps while idle.
+pub const POOL_BYTES: usize = 256 << 20;
+
+/// Reassembly buffers kept for reuse, so a room's KV is copied into memory whose pages are
+/// already mapped: the first write to a fresh multi-MiB allocation takes a page fault per
+/// 4 KiB, which cost more than the copy itself. Bounded by [`POOL_BYTES`] of capacity.
+#[derive(Clone)]
+pub struct BufferPool(Arc<Mutex<Vec<Vec<u8>>>>);
+
+impl Default for BufferPool {
+    fn default() -> Self {
+        Self(Arc::new(Mutex::new(Vec::new())))
+    }
+}
+
+impl std::fmt::Debug for BufferPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let free = self.0.lock().map(|v| v.len()).unwrap_or(0);
+        f.debug_struct("BufferPool").field("free", &free).finish()
+    }
+}
+
+impl BufferPool {
+    /// An empty buffer with at least `cap` bytes of capacity (a pooled one if any fits).
+    fn take(&self, cap: usize) -> Vec<u8> {
+        let pooled = self.0.lock().ok().and_then(|mut free| {
+            let i = free.iter().position(|b| b.capacity() >= cap)?;
+            Some(free.swap_remove(i))
+        });
+        match pooled {
+            Some(mut b) => {
+                b.clear();
+                b
+            }
+            None => Vec::with_capacity(cap),
+        }
+    }
+
+    /// Keep `buf` for reuse if the pool stays within [`POOL_BYTES`]; smaller buffers make
+    /// way for a larger one.
+    pub(super) fn give(&self, buf: Vec<u8>) {
+        if buf.capacity() == 0 || buf.capacity() > POOL_BYTES {
+            return;
+        }
+        let Ok(mut free) = self.0.lock() else {
+            return;
+        };
+        free.sort_by_key(Vec::capacity);
+        let mut held: usize = free.iter().map(Vec::capacity).sum();
+        while held + buf.capacity() > POOL_BYTES && !free.is_empty() {
+            held -= free.remove(0).capacity();
+        }
+        free.push(buf);
+    }
+
+    /// Bytes of capacity held by idle buffers.
+    pub fn idle_bytes(&self) -> usize {
+        self.0
+            .lock()
+            .map(|v| v.iter().map(Vec::capacity).sum())
+            .unwrap_or(0)
+    }
+}
+
+/// A reassembled KV buffer; its memory goes back to the pool it came from when dropped.
+pub struct KvPayload {
+    buf: Vec<u8>,
+    pool: Option<BufferPool>,
+}
+
+impl std::ops::Deref for KvPayload {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl From<Vec<u8>> for KvPayload {
+    fn from(buf: Vec<u8>) -> Self {
+        Self { buf, pool: None }
+    }
+}
+
+impl Drop for KvPayload {
+    fn drop(&mut self) {
+        if let Some(p) = self.pool.take() {
+            p.give(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
 /// Receiver side of one room's KV stream.
 #[derive(Debug, Default)]
 pub struct Assembler {
@@ -94,12 +193,39 @@ pub struct Assembler {
     count: u32,
     total: u64,
     layer: u16,
+    pool: Option<BufferPool>,
+}
+
+impl Drop for Assembler {
+    fn drop(&mut self) {
+        if let Some(p) = self.pool.take() {
+            p.give(std::mem::take(&mut self.buf));
+        }
+    }
 }
 
 impl Assembler {
+    /// An assembler whose buffer comes from (and returns to) `pool`.
+    pub fn with_pool(pool: BufferPool) -> Self {
+        Self {
+            buf: Vec::new(),
+            next: 0,
+            count: 0,
+            total: 0,
+            layer: 0,
+            pool: Some(pool),
+        }
+    }
+
     /// Accept the next chunk, or say precisely why not (the room then fails).
     /// `limit` bounds the total the room may receive (the receiver's own estimate).
-    pub fn push(&mut self, c: &KvChunk, limit: u64) -> Result<bool, ChunkError> {
+    /// The data is checksummed and copied once, into the reassembly buffer.
+    pub fn push<'a>(
+        &mut self,
+        c: impl Into<KvChunkRef<'a>>,
+        limit: u64,
+    ) -> Result<bool, ChunkError> {
+        let c: KvChunkRef<'a> = c.into();
         if c.index != self.next {
             return Err(ChunkError::OutOfOrder {
                 got: c.index,
@@ -113,7 +239,10 @@ impl Assembler {
             self.count = c.count;
             self.total = c.total;
             // Bounded by `limit`, which the receiver computed from its own model.
-            self.buf.reserve_exact(c.total as usize);
+            self.buf = match &self.pool {
+                Some(p) => p.take(c.total as usize),
+                None => Vec::with_capacity(c.total as usize),
+            };
         } else if c.count != self.count || c.total != self.total {
             return Err(ChunkError::Inconsistent {
                 got: c.count,
@@ -134,7 +263,7 @@ impl Assembler {
                 want: self.layer,
             });
         }
-        let got = crc32(&c.data);
+        let got = crc32c(c.data);
         if got != c.crc32 {
             return Err(ChunkError::Checksum { got, want: c.crc32 });
         }
@@ -143,7 +272,7 @@ impl Assembler {
                 self.buf.len() as u64 + c.data.len() as u64,
             ));
         }
-        self.buf.extend_from_slice(&c.data);
+        self.buf.extend_from_slice(c.data);
         self.layer = c.end_layer;
         self.next += 1;
         Ok(self.complete())
@@ -157,7 +286,10 @@ impl Assembler {
         self.buf.len()
     }
 
-    pub fn into_payload(self) -> Vec<u8> {
-        self.buf
+    pub fn into_payload(mut self) -> KvPayload {
+        KvPayload {
+            buf: std::mem::take(&mut self.buf),
+            pool: self.pool.take(),
+        }
     }
 }

@@ -133,9 +133,55 @@ pub struct KvChunk {
     /// Byte offset of `data` in the exported KV buffer, and that buffer's total size.
     pub offset: u64,
     pub total: u64,
-    /// CRC-32 (IEEE) of `data`.
+    /// CRC-32C (Castagnoli) of `data`.
     pub crc32: u32,
     pub data: Vec<u8>,
+}
+
+/// A KV chunk whose data is borrowed: from the exported KV buffer on the sender, from the
+/// received ZeroMQ frame on the receiver, so neither side copies the bytes to encode or
+/// decode them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvChunkRef<'a> {
+    pub index: u32,
+    pub count: u32,
+    pub first_layer: u16,
+    pub end_layer: u16,
+    pub offset: u64,
+    pub total: u64,
+    /// CRC-32C of `data`.
+    pub crc32: u32,
+    pub data: &'a [u8],
+}
+
+impl KvChunkRef<'_> {
+    pub fn to_owned(&self) -> KvChunk {
+        KvChunk {
+            index: self.index,
+            count: self.count,
+            first_layer: self.first_layer,
+            end_layer: self.end_layer,
+            offset: self.offset,
+            total: self.total,
+            crc32: self.crc32,
+            data: self.data.to_vec(),
+        }
+    }
+}
+
+impl<'a> From<&'a KvChunk> for KvChunkRef<'a> {
+    fn from(c: &'a KvChunk) -> Self {
+        KvChunkRef {
+            index: c.index,
+            count: c.count,
+            first_layer: c.first_layer,
+            end_layer: c.end_layer,
+            offset: c.offset,
+            total: c.total,
+            crc32: c.crc32,
+            data: &c.data,
+        }
+    }
 }
 
 /// The first token's log-probability and top alternatives, computed by the prefill.
@@ -234,16 +280,56 @@ pub struct Envelope {
 /// messages (a zero room id there is refused by every decoder).
 pub fn encode(env: &Envelope) -> [Vec<u8>; 2] {
     let payload = encode_payload(&env.msg);
-    let mut h = Writer::default();
+    let h = encode_header(
+        env.msg.msg_type(),
+        env.incarnation,
+        env.group_incarnation,
+        env.room,
+        payload.len(),
+    );
+    [h, payload]
+}
+
+fn encode_header(t: MsgType, incarnation: u64, group: u64, room: u64, len: usize) -> Vec<u8> {
+    let mut h = Writer {
+        buf: Vec::with_capacity(HEADER_LEN),
+    };
     h.bytes(MAGIC);
     h.u16(PROTOCOL_VERSION);
-    h.u8(env.msg.msg_type() as u8);
+    h.u8(t as u8);
     h.u8(0);
-    h.u64(env.incarnation);
-    h.u64(env.group_incarnation);
-    h.u64(env.room);
-    h.u32(payload.len() as u32);
-    [h.buf, payload]
+    h.u64(incarnation);
+    h.u64(group);
+    h.u64(room);
+    h.u32(len as u32);
+    h.buf
+}
+
+/// Bytes of a KV_CHUNK payload in front of the chunk data.
+pub const CHUNK_PREFIX: usize = 36;
+
+/// Encode one KV_CHUNK into its two frames with exactly one copy of the data: the payload
+/// frame is allocated at its final size and filled straight from `c.data`, so the caller
+/// can hand the `Vec` to ZeroMQ without another copy. Same bytes as [`encode`].
+pub fn encode_chunk(incarnation: u64, group: u64, room: u64, c: &KvChunkRef<'_>) -> [Vec<u8>; 2] {
+    let mut w = Writer {
+        buf: Vec::with_capacity(CHUNK_PREFIX + c.data.len()),
+    };
+    chunk_prefix(&mut w, c);
+    w.bytes(c.data);
+    let h = encode_header(MsgType::KvChunk, incarnation, group, room, w.buf.len());
+    [h, w.buf]
+}
+
+fn chunk_prefix(w: &mut Writer, c: &KvChunkRef<'_>) {
+    w.u32(c.index);
+    w.u32(c.count);
+    w.u16(c.first_layer);
+    w.u16(c.end_layer);
+    w.u64(c.offset);
+    w.u64(c.total);
+    w.u32(c.crc32);
+    w.u32(c.data.len() as u32);
 }
 
 fn layout(w: &mut Writer, l: &KvLayout) {
@@ -299,14 +385,7 @@ fn encode_payload(m: &Message) -> Vec<u8> {
             w.u32(p.logprobs.unwrap_or(0));
         }
         Message::KvChunk(c) => {
-            w.u32(c.index);
-            w.u32(c.count);
-            w.u16(c.first_layer);
-            w.u16(c.end_layer);
-            w.u64(c.offset);
-            w.u64(c.total);
-            w.u32(c.crc32);
-            w.u32(c.data.len() as u32);
+            chunk_prefix(&mut w, &c.into());
             w.bytes(&c.data);
         }
         Message::Done {
@@ -394,6 +473,29 @@ pub fn decode_header(h: &[u8], payload_len: usize) -> Result<Header, DecodeError
 
 /// Decode the two frames of one message. Never panics; every failure is typed.
 pub fn decode(frames: &[&[u8]]) -> Result<Envelope, DecodeError> {
+    let (hdr, d) = decode_borrowed(frames)?;
+    let msg = match d {
+        Decoded::Chunk(c) => Message::KvChunk(c.to_owned()),
+        Decoded::Message(m) => m,
+    };
+    Ok(Envelope {
+        incarnation: hdr.incarnation,
+        group_incarnation: hdr.group_incarnation,
+        room: hdr.room,
+        msg,
+    })
+}
+
+/// A decoded message whose KV chunk data, if any, still lives in the received frame.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decoded<'a> {
+    Chunk(KvChunkRef<'a>),
+    Message(Message),
+}
+
+/// Decode the two frames of one message without copying KV chunk data; every check of
+/// [`decode`] applies (it is implemented on top of this).
+pub fn decode_borrowed<'a>(frames: &[&'a [u8]]) -> Result<(Header, Decoded<'a>), DecodeError> {
     let [h, p] = frames else {
         return Err(DecodeError::FrameCount(frames.len()));
     };
@@ -402,12 +504,45 @@ pub fn decode(frames: &[&[u8]]) -> Result<Envelope, DecodeError> {
     if t.has_room() != (hdr.room != 0) {
         return Err(DecodeError::BadRoom { room: hdr.room });
     }
-    let msg = decode_payload(t, p)?;
-    Ok(Envelope {
-        incarnation: hdr.incarnation,
-        group_incarnation: hdr.group_incarnation,
-        room: hdr.room,
-        msg,
+    let d = if t == MsgType::KvChunk {
+        Decoded::Chunk(decode_chunk_payload(p)?)
+    } else {
+        Decoded::Message(decode_payload(t, p)?)
+    };
+    Ok((hdr, d))
+}
+
+fn decode_chunk_payload(p: &[u8]) -> Result<KvChunkRef<'_>, DecodeError> {
+    let mut r = Reader::new(p);
+    let index = r.u32()?;
+    let count = r.u32()?;
+    let first_layer = r.u16()?;
+    let end_layer = r.u16()?;
+    let offset = r.u64()?;
+    let total = r.u64()?;
+    let crc32 = r.u32()?;
+    let n = r.u32()? as usize;
+    let data = r.take(n)?;
+    if index >= count || first_layer > end_layer {
+        return Err(DecodeError::BadValue(format!(
+            "chunk {index} of {count}, layers {first_layer}..{end_layer}"
+        )));
+    }
+    if offset.checked_add(n as u64).is_none_or(|end| end > total) {
+        return Err(DecodeError::BadLength(format!(
+            "chunk bytes {offset}+{n} beyond the total {total}"
+        )));
+    }
+    r.finish()?;
+    Ok(KvChunkRef {
+        index,
+        count,
+        first_layer,
+        end_layer,
+        offset,
+        total,
+        crc32,
+        data,
     })
 }
 
@@ -484,35 +619,8 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
             })
         }
         MsgType::KvChunk => {
-            let index = r.u32()?;
-            let count = r.u32()?;
-            let first_layer = r.u16()?;
-            let end_layer = r.u16()?;
-            let offset = r.u64()?;
-            let total = r.u64()?;
-            let crc32 = r.u32()?;
-            let n = r.u32()? as usize;
-            let data = r.take(n)?.to_vec();
-            if index >= count || first_layer > end_layer {
-                return Err(DecodeError::BadValue(format!(
-                    "chunk {index} of {count}, layers {first_layer}..{end_layer}"
-                )));
-            }
-            if offset.checked_add(n as u64).is_none_or(|end| end > total) {
-                return Err(DecodeError::BadLength(format!(
-                    "chunk bytes {offset}+{n} beyond the total {total}"
-                )));
-            }
-            Message::KvChunk(KvChunk {
-                index,
-                count,
-                first_layer,
-                end_layer,
-                offset,
-                total,
-                crc32,
-                data,
-            })
+            let c = decode_chunk_payload(p)?;
+            return Ok(Message::KvChunk(c.to_owned()));
         }
         MsgType::Done => {
             let first_token = r.u32()?;

@@ -33,13 +33,18 @@
 //! | 4    | ACCEPTED  | 0    | (empty)                                                   |
 //! | 5    | REJECT    | 0    | u8 reason code, text str16                                |
 //! | 6    | PREFILL   | ≠0   | u32 n, n × u32 token ids, f32 temperature, u32 top_k, f32 top_p, u8 has_seed, u64 seed, u8 has_logprobs, u32 logprobs |
-//! | 7    | KV_CHUNK  | ≠0   | u32 index, u32 count, u16 first layer, u16 end layer, u64 offset, u64 total, u32 crc32, u32 n, n bytes |
+//! | 7    | KV_CHUNK  | ≠0   | u32 index, u32 count, u16 first layer, u16 end layer, u64 offset, u64 total, u32 CRC-32C of the data, u32 n, n bytes |
 //! | 8    | DONE      | ≠0   | u32 first token, u32 prompt tokens, u8 has_logprob, [f32 logprob, u8 k, k × (u32 token, f32 logprob)] |
 //! | 9    | FAILED    | ≠0   | u8 reason code, text str16                                |
 //! | 10   | ABORT     | ≠0   | (empty)                                                   |
 //! | 11   | ABORT_ACK | ≠0   | (empty)                                                   |
 //! | 12   | PING      | 0    | u64 nonce, u64 sender timestamp (µs)                      |
 //! | 13   | PONG      | 0    | u64 nonce, u64 timestamp echoed from the PING             |
+//!
+//! A KV_CHUNK payload is its 36-byte prefix ([`CHUNK_PREFIX`]) then the data. The sender
+//! builds that frame once, straight from the exported KV, and hands the buffer to ZeroMQ
+//! ([`encode_chunk`]); the receiver reads the prefix in place from the received frame
+//! ([`decode_borrowed`]) and copies the data once, into the room's reassembly buffer.
 //!
 //! A payload must be consumed exactly: trailing bytes are an error. Every length is checked
 //! against the bytes actually present before anything is allocated, so decoding never
@@ -64,12 +69,14 @@ mod tests;
 
 pub use codec::DecodeError;
 pub use message::{
-    Envelope, FailCode, Header, KvChunk, KvLayout, Message, MsgType, PrefillRequest, RejectReason,
-    WireLogprob, decode, encode,
+    CHUNK_PREFIX, Decoded, Envelope, FailCode, Header, KvChunk, KvChunkRef, KvLayout, Message,
+    MsgType, PrefillRequest, RejectReason, WireLogprob, decode, decode_borrowed, encode,
+    encode_chunk,
 };
 
-/// Wire protocol version; bumped on any incompatible change of a payload.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Wire protocol version; bumped on any incompatible change of a payload (2: the chunk
+/// checksum is CRC-32C instead of the IEEE CRC-32).
+pub const PROTOCOL_VERSION: u16 = 2;
 pub const MAGIC: &[u8; 4] = b"TKVP";
 pub const HEADER_LEN: usize = 36;
 /// Largest payload accepted (one KV chunk is at most [`chunks::MAX_CHUNK`]).

@@ -5,7 +5,7 @@ use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::chunks::{Assembler, ChunkError, split};
+use super::chunks::{Assembler, BufferPool, ChunkError, POOL_BYTES, split};
 use super::*;
 
 fn layout() -> impl Strategy<Value = KvLayout> {
@@ -86,7 +86,7 @@ fn message() -> impl Strategy<Value = Message> {
                     end_layer: layer / 2 + 1,
                     offset,
                     total: offset + data.len() as u64 + 5,
-                    crc32: checksum::crc32(&data),
+                    crc32: checksum::crc32c(&data),
                     data,
                 })
             }),
@@ -320,7 +320,7 @@ fn chunks_reassemble_exactly_and_validate_order_and_checksum() {
     for (i, c) in cs.iter().enumerate() {
         assert_eq!(a.push(c, p.len() as u64).unwrap(), i + 1 == cs.len());
     }
-    assert_eq!(a.into_payload(), p);
+    assert_eq!(&a.into_payload()[..], &p[..]);
 
     // Out of order, corrupted, and oversized chunks are refused with the reason.
     let mut a = Assembler::default();
@@ -347,4 +347,71 @@ fn chunks_reassemble_exactly_and_validate_order_and_checksum() {
     let odd = split(b"hello");
     assert_eq!(odd.len(), 1);
     assert_eq!(odd[0].data, b"hello");
+}
+
+#[test]
+fn pooled_reassembly_reuses_buffers_within_the_bound() {
+    let p = fake_export(30, 1000);
+    let pool = BufferPool::default();
+    let fill = |pool: &BufferPool| {
+        let mut a = Assembler::with_pool(pool.clone());
+        for c in split(&p) {
+            a.push(&c, u64::MAX).unwrap();
+        }
+        a.into_payload()
+    };
+    let first = fill(&pool);
+    assert_eq!(&first[..], &p[..]);
+    let at = first.as_ptr();
+    assert_eq!(pool.idle_bytes(), 0, "in use, not idle");
+    drop(first);
+    assert!(pool.idle_bytes() >= p.len(), "returned on drop");
+    let second = fill(&pool);
+    assert_eq!(second.as_ptr(), at, "the pooled buffer is reused");
+    assert_eq!(&second[..], &p[..], "no stale bytes from the previous room");
+    drop(second);
+
+    // A room that fails half-way gives its buffer back too.
+    let mut a = Assembler::with_pool(pool.clone());
+    let before = pool.idle_bytes();
+    a.push(&split(&p)[0], u64::MAX).unwrap();
+    assert_eq!(pool.idle_bytes(), 0);
+    drop(a);
+    assert_eq!(pool.idle_bytes(), before);
+
+    // Idle capacity never exceeds the bound: an oversized buffer is not kept, and a new
+    // buffer evicts smaller ones rather than growing the pool past it.
+    pool.give(Vec::with_capacity(POOL_BYTES + 1));
+    assert_eq!(pool.idle_bytes(), before);
+    pool.give(Vec::with_capacity(POOL_BYTES - 16));
+    assert!(pool.idle_bytes() <= POOL_BYTES);
+    assert!(pool.idle_bytes() >= POOL_BYTES - 16);
+}
+
+#[test]
+fn chunk_fast_path_matches_the_general_codec_without_copies() {
+    let p = fake_export(30, 1000);
+    let planned = chunks::plan(&p);
+    assert_eq!(planned.len(), split(&p).len());
+    for c in planned {
+        let fast = super::encode_chunk(3, 4, 5, &c);
+        let general = encode(&Envelope {
+            incarnation: 3,
+            group_incarnation: 4,
+            room: 5,
+            msg: Message::KvChunk(c.to_owned()),
+        });
+        assert_eq!(fast, general, "same bytes on the wire");
+        // Allocated at its final size: handing it to ZeroMQ (`into_boxed_slice`) does
+        // not reallocate, i.e. does not copy the data again.
+        assert_eq!(fast[1].capacity(), fast[1].len());
+        let (h, d) = super::decode_borrowed(&[&fast[0], &fast[1]]).unwrap();
+        assert_eq!((h.incarnation, h.group_incarnation, h.room), (3, 4, 5));
+        let super::Decoded::Chunk(got) = d else {
+            panic!("not a chunk: {d:?}")
+        };
+        assert_eq!(got, c);
+        // The decoded data is the received frame's bytes, not a copy.
+        assert_eq!(got.data.as_ptr(), fast[1][super::CHUNK_PREFIX..].as_ptr());
+    }
 }

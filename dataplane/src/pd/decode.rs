@@ -87,6 +87,7 @@ pub fn start(
     // Upper bound of one token's KV bytes (4-byte values at most), to refuse oversized KV.
     let per_token = (info.n_layers * 2 * info.n_kv_heads * info.head_dim * 4) as u64;
     let ctx = zmq::Context::new();
+    let pool = crate::kv::chunks::BufferPool::default();
     let mut peers = Vec::new();
     for (i, addr) in addrs.iter().enumerate() {
         let io = |e: zmq::Error| crate::Error::Io {
@@ -130,6 +131,7 @@ pub fn start(
                 65_536,
             ),
             last_ping: None,
+            pool: pool.clone(),
         };
         supervise(body, health.clone(), metrics.clone()).map_err(|e| crate::Error::Io {
             path: "KV loop thread".into(),

@@ -15,9 +15,11 @@ use super::supervise::Supervised;
 use super::{LoopHealth, random_id, wire};
 use crate::config::PdTimings;
 use crate::kv::auth::{GroupKey, Initiator, LocalIdentity};
-use crate::kv::chunks::Assembler;
+use crate::kv::chunks::{Assembler, BufferPool};
 use crate::kv::room::{AbortOutcome, RoomState, RoomTable};
-use crate::kv::{Envelope, FailCode, Message, PrefillRequest, decode};
+use crate::kv::{
+    Decoded, Envelope, FailCode, KvChunkRef, Message, PrefillRequest, decode_borrowed,
+};
 use crate::metrics::{Metrics, PeerLabels};
 use crate::sampling::TokenLogprob;
 use crate::scheduler::ImportedKv;
@@ -52,6 +54,8 @@ pub(super) struct PeerLoop {
     pub(super) session: Session,
     pub(super) rooms: RoomTable<DecodeRoom>,
     pub(super) last_ping: Option<(u64, Instant)>,
+    /// Reassembly buffers reused across rooms (shared by every peer loop).
+    pub(super) pool: BufferPool,
 }
 
 impl Supervised for PeerLoop {
@@ -116,10 +120,10 @@ impl PeerLoop {
         }
     }
 
-    fn on_frames(&mut self, frames: Vec<Vec<u8>>) {
-        let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
-        let env = match decode(&refs) {
-            Ok(e) => e,
+    fn on_frames(&mut self, frames: Vec<zmq::Message>) {
+        let refs: Vec<&[u8]> = frames.iter().map(|m| &m[..]).collect();
+        let (hdr, decoded) = match decode_borrowed(&refs) {
+            Ok(d) => d,
             Err(e) => {
                 self.metrics.kv.malformed(e.kind());
                 tracing::warn!(peer = %self.addr, kind = e.kind(), error = %e, "malformed KV message dropped");
@@ -128,10 +132,10 @@ impl PeerLoop {
         };
         // Rule 4: a new prefill incarnation invalidates everything about the old one.
         if let Some(known) = self.known_incarnation()
-            && env.incarnation != known
+            && hdr.incarnation != known
         {
             self.metrics.kv.peer_incarnation_changes.inc();
-            tracing::warn!(peer = %self.addr, old_incarnation = known, new_incarnation = env.incarnation, "prefill restarted; failing its rooms and handshaking again");
+            tracing::warn!(peer = %self.addr, old_incarnation = known, new_incarnation = hdr.incarnation, "prefill restarted; failing its rooms and handshaking again");
             for id in self.rooms.ids() {
                 if self
                     .rooms
@@ -144,10 +148,23 @@ impl PeerLoop {
             self.set_session(Session::Idle {
                 retry_at: Instant::now(),
             });
-            if !matches!(env.msg, Message::Reject { .. }) {
+            if !matches!(decoded, Decoded::Message(Message::Reject { .. })) {
                 return;
             }
         }
+        let msg = match decoded {
+            Decoded::Chunk(c) => {
+                self.on_chunk(hdr.room, c);
+                return;
+            }
+            Decoded::Message(m) => m,
+        };
+        let env = Envelope {
+            incarnation: hdr.incarnation,
+            group_incarnation: hdr.group_incarnation,
+            room: hdr.room,
+            msg,
+        };
         match env.msg {
             Message::Welcome { .. } => self.on_welcome(&env),
             Message::Accepted => {
@@ -186,29 +203,6 @@ impl PeerLoop {
                     self.shared.mark_pong();
                 }
             }
-            Message::KvChunk(c) => {
-                let Some(r) = self.rooms.get_mut(env.room) else {
-                    self.metrics.kv.malformed("unknown_room");
-                    return;
-                };
-                if r.state == RoomState::Aborting {
-                    return; // late data of an aborted room; the ack will follow
-                }
-                let limit = 64 + self.per_token * r.data.prompt_len as u64;
-                let n = c.data.len();
-                match r.data.asm.push(&c, limit) {
-                    Ok(_) => {
-                        self.metrics.kv.bytes("received", n);
-                        let _ =
-                            self.rooms
-                                .advance(env.room, RoomState::Transferring, Instant::now());
-                    }
-                    Err(e) => {
-                        self.metrics.kv.malformed("bad_chunk");
-                        self.fail_room(env.room, FailCode::BadChunk, &e.to_string(), true);
-                    }
-                }
-            }
             Message::Done {
                 first_token,
                 prompt_tokens,
@@ -233,6 +227,33 @@ impl PeerLoop {
             other => {
                 self.metrics.kv.malformed("unexpected_type");
                 tracing::warn!(peer = %self.addr, msg_type = ?other.msg_type(), "unexpected KV message dropped");
+            }
+        }
+    }
+
+    /// Validate one KV chunk and copy its data (read in place from the received frame)
+    /// into the room's reassembly buffer.
+    fn on_chunk(&mut self, room: u64, c: KvChunkRef<'_>) {
+        let Some(r) = self.rooms.get_mut(room) else {
+            self.metrics.kv.malformed("unknown_room");
+            tracing::warn!(room, peer = %self.addr, reason = "unknown_room", "KV chunk for an unknown room dropped");
+            return;
+        };
+        if r.state == RoomState::Aborting {
+            return; // late data of an aborted room; the ack will follow
+        }
+        let limit = 64 + self.per_token * r.data.prompt_len as u64;
+        let n = c.data.len();
+        match r.data.asm.push(c, limit) {
+            Ok(_) => {
+                self.metrics.kv.bytes("received", n);
+                let _ = self
+                    .rooms
+                    .advance(room, RoomState::Transferring, Instant::now());
+            }
+            Err(e) => {
+                self.metrics.kv.malformed("bad_chunk");
+                self.fail_room(room, FailCode::BadChunk, &e.to_string(), true);
             }
         }
     }
@@ -318,7 +339,7 @@ impl PeerLoop {
                 reply,
                 prompt_len: req.tokens.len(),
                 req: Some(req),
-                asm: Assembler::default(),
+                asm: Assembler::with_pool(self.pool.clone()),
                 peer_incarnation: est.unwrap_or(0),
             };
             if let Err(e) = self

@@ -192,11 +192,12 @@ impl RouterLoop {
         self.reply(peer, 0, Message::Reject { reason, text });
     }
 
-    fn on_frames(&mut self, frames: Vec<Vec<u8>>) {
+    fn on_frames(&mut self, frames: Vec<zmq::Message>) {
         let Some((peer, rest)) = frames.split_first() else {
             return;
         };
-        let refs: Vec<&[u8]> = rest.iter().map(Vec::as_slice).collect();
+        let peer: &[u8] = peer;
+        let refs: Vec<&[u8]> = rest.iter().map(|m| &m[..]).collect();
         let env = match decode(&refs) {
             Ok(env) => env,
             Err(e) => {
@@ -212,7 +213,7 @@ impl RouterLoop {
                 return;
             }
         };
-        let peer = peer.clone();
+        let peer = peer.to_vec();
         match &env.msg {
             Message::Hello { .. } => self.on_hello(peer, &env),
             Message::Auth { .. } => self.on_auth(peer, &env),
@@ -517,13 +518,24 @@ impl RouterLoop {
         let _ = self
             .rooms
             .advance(id, RoomState::Transferring, Instant::now());
-        for c in chunks::split(&payload) {
-            let n = c.data.len();
-            if !self.reply(&peer, id, Message::KvChunk(c)) {
-                self.fail_room(id, FailCode::SendFailed, "KV chunk send failed");
-                return;
+        for c in chunks::plan(&payload) {
+            match wire::send_chunk(
+                &self.sock,
+                Some(&peer),
+                self.local.incarnation,
+                self.local.group_incarnation,
+                id,
+                &c,
+            ) {
+                Ok(n) => self.metrics.kv.bytes("sent", n),
+                Err(e) => {
+                    let label = wire::send_error_label(e);
+                    self.metrics.kv.send_failure(label);
+                    tracing::warn!(peer = %hex_id(&peer), room = id, chunk = c.index, reason = label, "KV chunk send failed");
+                    self.fail_room(id, FailCode::SendFailed, "KV chunk send failed");
+                    return;
+                }
             }
-            self.metrics.kv.bytes("sent", n);
         }
         let done = Message::Done {
             first_token: first,

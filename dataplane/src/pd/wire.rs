@@ -1,6 +1,6 @@
 //! ZeroMQ plumbing shared by both roles: socket options and bounded, non-blocking sends.
 
-use crate::kv::{Envelope, HEADER_LEN, MAX_PAYLOAD, encode};
+use crate::kv::{Envelope, HEADER_LEN, KvChunkRef, MAX_PAYLOAD, encode, encode_chunk};
 
 /// Messages queued per peer before sends fail fast instead of growing memory.
 const HWM: i32 = 10_000;
@@ -30,6 +30,27 @@ pub(super) fn send(sock: &zmq::Socket, route: Option<&[u8]>, env: &Envelope) -> 
     Ok(n)
 }
 
+/// Send one KV chunk without blocking. Its payload frame is built once from the exported
+/// KV and handed to ZeroMQ by ownership (`zmq::Message` from a `Vec` does not copy), so
+/// the bytes are copied once in user space on this side.
+pub(super) fn send_chunk(
+    sock: &zmq::Socket,
+    route: Option<&[u8]>,
+    incarnation: u64,
+    group: u64,
+    room: u64,
+    c: &KvChunkRef<'_>,
+) -> zmq::Result<usize> {
+    let [h, p] = encode_chunk(incarnation, group, room, c);
+    let n = c.data.len();
+    if let Some(r) = route {
+        sock.send(r, zmq::SNDMORE | zmq::DONTWAIT)?;
+    }
+    sock.send(h, zmq::SNDMORE | zmq::DONTWAIT)?;
+    sock.send(zmq::Message::from(p), zmq::DONTWAIT)?;
+    Ok(n)
+}
+
 pub(super) fn send_error_label(e: zmq::Error) -> &'static str {
     match e {
         zmq::Error::EAGAIN => "queue_full_or_disconnected",
@@ -38,9 +59,19 @@ pub(super) fn send_error_label(e: zmq::Error) -> &'static str {
     }
 }
 
-/// Next inbound multipart message, if any, without blocking.
-pub(super) fn try_recv(sock: &zmq::Socket) -> Option<Vec<Vec<u8>>> {
-    sock.recv_multipart(zmq::DONTWAIT).ok()
+/// Next inbound multipart message, if any, without blocking. The frames stay ZeroMQ
+/// messages (no copy into `Vec`s); decoding reads them in place.
+pub(super) fn try_recv(sock: &zmq::Socket) -> Option<Vec<zmq::Message>> {
+    let mut frames = Vec::with_capacity(3);
+    loop {
+        let mut m = zmq::Message::new();
+        sock.recv(&mut m, zmq::DONTWAIT).ok()?;
+        let more = m.get_more();
+        frames.push(m);
+        if !more {
+            return Some(frames);
+        }
+    }
 }
 
 /// Wait up to `POLL_MS` for input.

@@ -246,10 +246,15 @@ impl<R: ModelRunner> Engine<R> {
                 }
             }
             self.next_seq += 1;
-            let sub = self.waiting.pop_front().expect("front exists");
-            let imported = match &sub.req.transfer {
-                Transfer::Import(kv) => Some(kv.clone()),
-                _ => None,
+            let mut sub = self.waiting.pop_front().expect("front exists");
+            // Taken out of the request: the imported payload (a pooled reassembly buffer)
+            // is released right after this admission, not when the request ends.
+            let imported = match std::mem::take(&mut sub.req.transfer) {
+                Transfer::Import(kv) => Some(kv),
+                other => {
+                    sub.req.transfer = other;
+                    None
+                }
             };
             if let Some(kv) = &imported
                 && let Err(e) = self.runner.import_kv(seq, &kv.payload)

@@ -355,7 +355,7 @@ fn export_then_import_continues_exactly_like_one_engine() {
     let (decode, _) = start(r, SchedulerConfig::default());
     let mut dec = req(prompt.clone(), 10);
     dec.transfer = Transfer::Import(Arc::new(ImportedKv {
-        payload,
+        payload: payload.into(),
         first_token: p.ids[0],
         first_logprob: None,
     }));
@@ -374,7 +374,7 @@ fn export_then_import_continues_exactly_like_one_engine() {
     // A payload that does not fit fails the request with the KV reason, holding nothing.
     let mut bad = req(prompt, 4);
     bad.transfer = Transfer::Import(Arc::new(ImportedKv {
-        payload: vec![1, 2, 3],
+        payload: vec![1, 2, 3].into(),
         first_token: 5,
         first_logprob: None,
     }));

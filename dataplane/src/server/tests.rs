@@ -59,6 +59,9 @@ impl Drop for TestServer {
     }
 }
 
+/// Short, so the header-timeout test is quick; whole request heads are written at once.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(1);
+
 fn start(blocks: usize) -> TestServer {
     start_with(blocks, SchedulerConfig::default())
 }
@@ -79,6 +82,7 @@ fn start_with(blocks: usize, cfg: SchedulerConfig) -> TestServer {
         default_max_tokens: 16,
         metrics,
         max_heartbeat_age: Duration::from_secs(5),
+        header_read_timeout: HEADER_TIMEOUT,
         role: "both",
         draining: AtomicBool::new(false),
         pd: None,
@@ -428,5 +432,44 @@ fn request_waiting_for_kv_memory_times_out_with_503() {
     assert!(
         m.contains(r#"tandem_request_failures_total{reason="queue_timeout"} 1"#),
         "{m}"
+    );
+}
+
+#[test]
+fn unfinished_request_head_is_cut_after_the_timeout_and_counted() {
+    use std::io::{Read, Write};
+    let s = start(1000);
+    let mut c = std::net::TcpStream::connect(s.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    // The request line and a header, never the blank line that ends the head.
+    c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").unwrap();
+    let t = std::time::Instant::now();
+    let mut got = Vec::new();
+    match c.read_to_end(&mut got) {
+        Ok(_) => {}
+        Err(e) => assert_eq!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionReset,
+            "the server must close the connection, not leave it open: {e}"
+        ),
+    }
+    let waited = t.elapsed();
+    assert!(
+        waited >= HEADER_TIMEOUT - Duration::from_millis(100) && waited < Duration::from_secs(15),
+        "closed after {waited:?} (timeout {HEADER_TIMEOUT:?})"
+    );
+    let text = String::from_utf8_lossy(&got);
+    assert!(
+        !text.contains("200 OK"),
+        "an unfinished request was served: {text}"
+    );
+    // The server still serves complete requests, and counted the cut connection.
+    let r = request(s.addr, "GET", "/metrics", None);
+    assert_eq!(r.status, 200);
+    assert!(
+        r.body
+            .contains(r#"tandem_http_connection_errors_total{kind="timeout"} 1"#),
+        "{}",
+        r.body
     );
 }
