@@ -10,6 +10,7 @@
 //! so the model code above does not care which backend runs it.
 
 mod api;
+pub mod checksum;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
