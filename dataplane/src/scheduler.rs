@@ -67,9 +67,47 @@ pub enum Transfer {
     /// Prefill role: after the last sampled token, export the sequence's KV
     /// (`GenEvent::KvExported`) before it is freed.
     Export,
-    /// Decode role: the prompt's KV was computed elsewhere; import it and continue from
-    /// the first token the prefill sampled.
-    Import(Arc<ImportedKv>),
+    /// Decode role: the prompt's KV is computed elsewhere. The engine first reserves the
+    /// whole sequence's blocks (`GenEvent::KvReserved`), then waits for the KV on the
+    /// slot's channel, imports it and continues from the first token the prefill sampled.
+    /// The reservation is freed only once the channel's sender is dropped without KV (the
+    /// room ended, after ABORT_ACK when aborted).
+    Import(Arc<KvImport>),
+}
+
+/// Where a decode-role request's KV arrives from (the KV loop's room holds the sender).
+pub struct KvImport {
+    rx: std::sync::Mutex<Option<tmpsc::Receiver<ImportedKv>>>,
+}
+
+impl KvImport {
+    /// A slot and the sender that delivers its KV.
+    pub fn channel() -> (tmpsc::Sender<ImportedKv>, Self) {
+        let (tx, rx) = tmpsc::channel(1);
+        (
+            tx,
+            Self {
+                rx: std::sync::Mutex::new(Some(rx)),
+            },
+        )
+    }
+
+    /// A slot whose KV is already there.
+    pub fn ready(kv: ImportedKv) -> Self {
+        let (tx, slot) = Self::channel();
+        let _ = tx.try_send(kv);
+        slot
+    }
+
+    fn take(&self) -> Option<tmpsc::Receiver<ImportedKv>> {
+        self.rx.lock().ok()?.take()
+    }
+}
+
+impl std::fmt::Debug for KvImport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvImport").finish_non_exhaustive()
+    }
 }
 
 pub struct ImportedKv {
@@ -161,6 +199,8 @@ pub enum GenEvent {
     },
     /// `Transfer::Export` only: the sequence's KV, sent just before `Done`.
     KvExported(Vec<u8>),
+    /// `Transfer::Import` only: the sequence's KV blocks are reserved; the KV may come.
+    KvReserved,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -31,7 +31,8 @@ pub(super) enum Command {
     Open {
         room: u64,
         req: PrefillRequest,
-        reply: tmpsc::Sender<Result<ImportedKv, RoomFailure>>,
+        reply: tmpsc::Sender<Result<(), RoomFailure>>,
+        kv: tmpsc::Sender<ImportedKv>,
     },
 }
 
@@ -199,13 +200,15 @@ impl DecodeClient {
         out
     }
 
-    /// Run `prompt` on the least-loaded healthy prefill and wait for its KV. Dropping the
-    /// returned future (client gone) aborts the room on both sides.
+    /// Run `prompt` on the least-loaded healthy prefill and wait until its KV went to
+    /// `kv` (the engine's reserved sequence). Dropping the returned future (client gone)
+    /// aborts the room on both sides; the room holds `kv` until it has ended.
     pub async fn prefill(
         &self,
         prompt: &[u32],
         sampling: &SamplingParams,
-    ) -> Result<ImportedKv, RoomFailure> {
+        kv: tmpsc::Sender<ImportedKv>,
+    ) -> Result<(), RoomFailure> {
         // Least loaded healthy peer; ties rotate so idle peers share the work.
         let start = self.rotate.fetch_add(1, Ordering::Relaxed);
         let n = self.peers.len();
@@ -230,6 +233,7 @@ impl DecodeClient {
             room: random_id(),
             req,
             reply,
+            kv,
         };
         match peer.tx.try_send(cmd) {
             Ok(()) => {}

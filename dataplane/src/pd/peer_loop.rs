@@ -32,7 +32,10 @@ pub(super) enum Session {
 }
 
 pub(super) struct DecodeRoom {
-    reply: tmpsc::Sender<Result<ImportedKv, RoomFailure>>,
+    reply: tmpsc::Sender<Result<(), RoomFailure>>,
+    /// Delivers the KV into the engine's reserved sequence. Dropped with the room: only
+    /// then does the engine free the reservation (after ABORT_ACK for an abort, rule 8).
+    kv: tmpsc::Sender<ImportedKv>,
     req: Option<PrefillRequest>,
     prompt_len: usize,
     asm: Assembler,
@@ -325,18 +328,26 @@ impl PeerLoop {
                 top: l.top,
             }),
         };
-        let _ = r.data.reply.try_send(Ok(kv));
+        let _ = r.data.kv.try_send(kv);
+        let _ = r.data.reply.try_send(Ok(()));
     }
 
     fn commands(&mut self) {
         // A disconnected channel means the client is gone: nothing more will come.
-        while let Ok(Command::Open { room, req, reply }) = self.rx.try_recv() {
+        while let Ok(Command::Open {
+            room,
+            req,
+            reply,
+            kv,
+        }) = self.rx.try_recv()
+        {
             let est = match self.session {
                 Session::Established { peer_incarnation } => Some(peer_incarnation),
                 _ => None,
             };
             let data = DecodeRoom {
                 reply,
+                kv,
                 prompt_len: req.tokens.len(),
                 req: Some(req),
                 asm: Assembler::with_pool(self.pool.clone()),

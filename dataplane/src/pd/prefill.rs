@@ -478,6 +478,7 @@ impl RouterLoop {
                 match r.data.rx.try_recv() {
                     Ok(GenEvent::Token { id: t, logprob, .. }) => r.data.first = Some((t, logprob)),
                     Ok(GenEvent::KvExported(p)) => r.data.export = Some(p),
+                    Ok(GenEvent::KvReserved) => {}
                     Ok(GenEvent::Done { .. }) => {
                         self.stream_out(id);
                         break;

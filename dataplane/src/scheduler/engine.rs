@@ -6,10 +6,12 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::mpsc as tmpsc;
+use tokio::sync::mpsc::error::{TryRecvError as KvTryRecvError, TrySendError};
 
 use super::{
-    EngineHealth, FailReason, FinishReason, GenEvent, SchedulerConfig, Submission, Transfer, Usage,
+    EngineHealth, FailReason, FinishReason, GenEvent, ImportedKv, SchedulerConfig, Submission,
+    Transfer, Usage,
 };
 use crate::Error;
 use crate::engine_api::{ModelRunner, SeqId, StepInput};
@@ -35,6 +37,13 @@ struct Active {
     last_token_at: Option<Instant>,
 }
 
+/// A decode-role request whose blocks are reserved while its KV is on the way.
+struct Reserved {
+    seq: SeqId,
+    sub: Submission,
+    kv: tmpsc::Receiver<ImportedKv>,
+}
+
 pub(super) struct Engine<R: ModelRunner> {
     runner: R,
     text: Arc<dyn TokenText>,
@@ -44,6 +53,7 @@ pub(super) struct Engine<R: ModelRunner> {
     health: Arc<EngineHealth>,
     waiting: VecDeque<Submission>,
     running: Vec<Active>,
+    reserved: Vec<Reserved>,
     next_seq: u64,
     disconnected: bool,
 }
@@ -73,6 +83,7 @@ impl<R: ModelRunner> Engine<R> {
             health,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            reserved: Vec::new(),
             next_seq: 1,
             disconnected: false,
         }
@@ -87,12 +98,12 @@ impl<R: ModelRunner> Engine<R> {
         loop {
             self.health.beat();
             if self.running.is_empty() {
-                if self.disconnected && self.waiting.is_empty() {
+                if self.disconnected && self.waiting.is_empty() && self.reserved.is_empty() {
                     break;
                 }
-                // Idle (or only waiting for blocks): block on the channel, but wake up
-                // regularly to beat the heartbeat and expire queued requests.
-                let wait = if self.waiting.is_empty() {
+                // Idle (or only waiting for blocks or KV): block on the channel, but wake
+                // up regularly to beat the heartbeat and expire queued requests.
+                let wait = if self.waiting.is_empty() && self.reserved.is_empty() {
                     self.cfg.idle_tick
                 } else {
                     WAIT_POLL
@@ -116,6 +127,7 @@ impl<R: ModelRunner> Engine<R> {
             self.drop_abandoned();
             self.expire_waiting();
             self.admit();
+            self.poll_imports();
             if !self.running.is_empty() {
                 self.step();
             }
@@ -219,7 +231,7 @@ impl<R: ModelRunner> Engine<R> {
     /// whole request (prompt + max_tokens) can be reserved up front, so a running request
     /// never runs out of blocks mid-generation.
     fn admit(&mut self) {
-        while self.running.len() < self.cfg.max_batch {
+        while self.running.len() + self.reserved.len() < self.cfg.max_batch {
             let Some(front) = self.waiting.front() else {
                 break;
             };
@@ -246,19 +258,68 @@ impl<R: ModelRunner> Engine<R> {
                 }
             }
             self.next_seq += 1;
-            let mut sub = self.waiting.pop_front().expect("front exists");
-            // Taken out of the request: the imported payload (a pooled reassembly buffer)
-            // is released right after this admission, not when the request ends.
-            let imported = match std::mem::take(&mut sub.req.transfer) {
-                Transfer::Import(kv) => Some(kv),
-                other => {
-                    sub.req.transfer = other;
-                    None
+            let sub = self.waiting.pop_front().expect("front exists");
+            if let Transfer::Import(slot) = &sub.req.transfer {
+                // Decode role: hold the blocks until the KV arrives or the room ends.
+                let Some(kv) = slot.take() else {
+                    self.runner.free(seq);
+                    self.fail(
+                        &sub,
+                        FailReason::InvalidRequest,
+                        "KV import slot already used".to_owned(),
+                    );
+                    continue;
+                };
+                let _ = sub.out.try_send(GenEvent::KvReserved);
+                self.reserved.push(Reserved { seq, sub, kv });
+                continue;
+            }
+            self.metrics
+                .prompt_tokens
+                .inc_by(sub.req.prompt.len() as u64);
+            self.running.push(Active {
+                seq,
+                sampler: Sampler::new(sub.req.sampling.clone()),
+                stop: StopMatcher::new(sub.req.stop.clone()),
+                sub,
+                prefilled: 0,
+                next_input: None,
+                generated: 0,
+                decoder: StreamDecoder::new(),
+                last_token_at: None,
+            });
+        }
+    }
+
+    /// Reserved decode-role sequences: import KV that arrived and start decoding; free the
+    /// blocks of those whose room ended without KV (exactly once: the entry leaves here).
+    fn poll_imports(&mut self) {
+        let mut i = 0;
+        while i < self.reserved.len() {
+            let kv = match self.reserved[i].kv.try_recv() {
+                Err(KvTryRecvError::Empty) => {
+                    i += 1;
+                    continue;
                 }
+                Ok(kv) => Some(kv),
+                Err(KvTryRecvError::Disconnected) => None,
             };
-            if let Some(kv) = &imported
-                && let Err(e) = self.runner.import_kv(seq, &kv.payload)
-            {
+            let Reserved { seq, sub, .. } = self.reserved.swap_remove(i);
+            let Some(kv) = kv else {
+                // The room ended (failed, or aborted and acknowledged): the HTTP request
+                // reports and counts the transfer failure; only the blocks are ours.
+                self.runner.free(seq);
+                tracing::debug!(
+                    seq = seq.0,
+                    "KV reservation released: room ended without KV"
+                );
+                let _ = sub.out.try_send(GenEvent::Failed {
+                    reason: FailReason::KvTransfer,
+                    message: "the KV transfer ended without KV".to_owned(),
+                });
+                continue;
+            };
+            if let Err(e) = self.runner.import_kv(seq, &kv.payload) {
                 self.runner.free(seq);
                 self.fail(
                     &sub,
@@ -267,37 +328,26 @@ impl<R: ModelRunner> Engine<R> {
                 );
                 continue;
             }
-            if imported.is_none() {
-                self.metrics
-                    .prompt_tokens
-                    .inc_by(sub.req.prompt.len() as u64);
-            }
-            let prefilled = if imported.is_some() {
-                sub.req.prompt.len()
-            } else {
-                0
-            };
             let mut sampler = Sampler::new(sub.req.sampling.clone());
-            if imported.is_some() {
-                sampler.skip_draw();
-            }
+            sampler.skip_draw();
             self.running.push(Active {
                 seq,
                 sampler,
                 stop: StopMatcher::new(sub.req.stop.clone()),
+                prefilled: sub.req.prompt.len(),
                 sub,
-                prefilled,
                 next_input: None,
                 generated: 0,
                 decoder: StreamDecoder::new(),
                 last_token_at: None,
             });
             // The prefill already sampled the first token: process it as if sampled here.
-            if let Some(kv) = imported {
-                let i = self.running.len() - 1;
-                let outcome = self.on_token(i, kv.first_token, kv.first_logprob.clone());
-                self.conclude(vec![(i, outcome)]);
-            }
+            // The payload (a pooled reassembly buffer) is released right after the import.
+            let (first, lp) = (kv.first_token, kv.first_logprob);
+            drop(kv.payload);
+            let j = self.running.len() - 1;
+            let outcome = self.on_token(j, first, lp);
+            self.conclude(vec![(j, outcome)]);
         }
     }
 

@@ -54,6 +54,7 @@ fn collect(mut rx: tmpsc::Receiver<GenEvent>) -> Collected {
                 assert!(c.done.is_none(), "the export comes before Done");
                 c.exported = Some(p);
             }
+            GenEvent::KvReserved => {}
         }
     }
     c
@@ -354,11 +355,11 @@ fn export_then_import_continues_exactly_like_one_engine() {
     let (r, decode_st) = fake(1000);
     let (decode, _) = start(r, SchedulerConfig::default());
     let mut dec = req(prompt.clone(), 10);
-    dec.transfer = Transfer::Import(Arc::new(ImportedKv {
+    dec.transfer = Transfer::Import(Arc::new(KvImport::ready(ImportedKv {
         payload: payload.into(),
         first_token: p.ids[0],
         first_logprob: None,
-    }));
+    })));
     let d = collect(decode.submit(dec).unwrap());
     assert_eq!(d.ids, whole.ids);
     assert_eq!(d.text, whole.text);
@@ -373,11 +374,11 @@ fn export_then_import_continues_exactly_like_one_engine() {
 
     // A payload that does not fit fails the request with the KV reason, holding nothing.
     let mut bad = req(prompt, 4);
-    bad.transfer = Transfer::Import(Arc::new(ImportedKv {
+    bad.transfer = Transfer::Import(Arc::new(KvImport::ready(ImportedKv {
         payload: vec![1, 2, 3].into(),
         first_token: 5,
         first_logprob: None,
-    }));
+    })));
     let f = collect(decode.submit(bad).unwrap());
     assert_eq!(f.failed.map(|x| x.0), Some(FailReason::KvTransfer));
     assert!(f.ids.is_empty());

@@ -14,7 +14,7 @@ use super::output::{Kind, Shape, logprobs_json};
 use super::params::{self, Common, Prompt};
 use super::{AppState, Body, json_response};
 use crate::pd::PdRole;
-use crate::scheduler::{FailReason, GenEvent, GenerateRequest, Transfer};
+use crate::scheduler::{FailReason, GenEvent, GenerateRequest, KvImport, Transfer};
 
 type R<T> = std::result::Result<T, ApiError>;
 
@@ -109,22 +109,22 @@ async fn generate(
         Some(n) => n,
         None => state.default_max_tokens.min(room),
     };
-    // Decode role: the prompt runs on a prefill first; its KV and first token arrive
-    // through a room. Dropping this future (client gone) aborts the room.
-    let transfer = match &state.pd {
-        Some(PdRole::Decode(d)) => match d.prefill(&prompt, &c.sampling).await {
-            Ok(kv) => Transfer::Import(Arc::new(kv)),
-            Err(f) => {
-                state.metrics.fail(FailReason::KvTransfer.label());
-                return Err(ApiError::server(
-                    http::StatusCode::SERVICE_UNAVAILABLE,
-                    f.code.label(),
-                    f.message,
-                ));
-            }
-        },
-        _ => Transfer::None,
+    // Decode role: the engine reserves the sequence's KV blocks first (queueing for
+    // them, or refusing a request that can never fit); only then does a room open on a
+    // prefill, whose KV and first token go straight into the reserved sequence. Dropping
+    // this future (client gone) aborts the room; the room frees the blocks when it ends.
+    let decode = match &state.pd {
+        Some(PdRole::Decode(d)) => Some(d),
+        _ => None,
     };
+    let (transfer, kv_tx) = match decode {
+        Some(_) => {
+            let (tx, slot) = KvImport::channel();
+            (Transfer::Import(Arc::new(slot)), Some(tx))
+        }
+        None => (Transfer::None, None),
+    };
+    let pd_prompt = decode.map(|_| (prompt.clone(), c.sampling.clone()));
     let req = GenerateRequest {
         prompt,
         max_tokens,
@@ -136,7 +136,31 @@ async fn generate(
     let mut rx = state.engine.submit(req).map_err(ApiError::from_submit)?;
     // Wait for the first event before answering, so that failures before the first token
     // (queue timeout, request too large) get a proper HTTP status even when streaming.
-    let first = rx.recv().await;
+    let mut first = rx.recv().await;
+    if let (Some(d), Some(kv_tx), Some((prompt, sampling))) = (decode, kv_tx, pd_prompt) {
+        match first {
+            Some(GenEvent::KvReserved) => {}
+            Some(GenEvent::Failed { reason, message }) => {
+                return Err(ApiError::from_failure(reason, message));
+            }
+            _ => {
+                return Err(ApiError::server(
+                    http::StatusCode::INTERNAL_SERVER_ERROR,
+                    "engine_stopped",
+                    "the engine ended the request without reserving KV",
+                ));
+            }
+        }
+        if let Err(f) = d.prefill(&prompt, &sampling, kv_tx).await {
+            state.metrics.fail(FailReason::KvTransfer.label());
+            return Err(ApiError::server(
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                f.code.label(),
+                f.message,
+            ));
+        }
+        first = rx.recv().await;
+    }
     if let Some(GenEvent::Failed { reason, message }) = first {
         return Err(ApiError::from_failure(reason, message));
     }
@@ -192,7 +216,7 @@ async fn whole(
                 return Err(ApiError::from_failure(reason, message));
             }
             // Only prefill-role requests export KV; nothing to show here.
-            Some(GenEvent::KvExported(_)) => {}
+            Some(GenEvent::KvExported(_) | GenEvent::KvReserved) => {}
             None => {
                 return Err(ApiError::server(
                     http::StatusCode::INTERNAL_SERVER_ERROR,
@@ -260,7 +284,7 @@ impl Sse {
                 out.extend_from_slice(b"data: [DONE]\n\n");
                 self.done = true;
             }
-            Some(GenEvent::KvExported(_)) => return out,
+            Some(GenEvent::KvExported(_) | GenEvent::KvReserved) => return out,
             Some(GenEvent::Failed { reason, message }) => {
                 push(&ApiError::from_failure(reason, message).body());
                 out.extend_from_slice(b"data: [DONE]\n\n");
