@@ -154,6 +154,11 @@ pub fn start(
 }
 
 impl DecodeClient {
+    #[cfg(test)]
+    pub(super) fn loop_health(&self, i: usize) -> Arc<LoopHealth> {
+        self.peers[i].health.clone()
+    }
+
     fn peer_ok(&self, p: &Peer) -> bool {
         p.shared.established.load(Ordering::Relaxed)
             && p.shared.pong_age() <= self.timings.liveness_window()

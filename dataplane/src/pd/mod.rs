@@ -12,6 +12,8 @@ pub mod decode;
 mod peer_loop;
 pub mod prefill;
 mod supervise;
+#[cfg(test)]
+mod tests;
 mod wire;
 
 use std::time::Duration;

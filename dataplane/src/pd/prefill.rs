@@ -149,6 +149,7 @@ impl Supervised for RouterLoop {
     fn run(&mut self) {
         loop {
             self.health.beat();
+            self.health.fault_point();
             wire::wait_readable(&self.sock);
             for _ in 0..wire::RECV_BATCH {
                 let Some(frames) = wire::try_recv(&self.sock) else {

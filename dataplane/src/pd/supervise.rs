@@ -1,6 +1,10 @@
 //! Supervision of the socket loops (rule 3): a panic is caught, counted and logged, the
 //! loop's `after_panic` fails the rooms it owned, and the loop runs again. Each loop beats a
 //! heartbeat that `/ready` checks, so a dead or stuck loop turns the process not-ready.
+//!
+//! Test hook: in `cfg(test)` builds only, `LoopHealth::inject` arms a one-shot fault (stall
+//! or panic) that the loop hits at its next `fault_point`, right after a heartbeat. In
+//! other builds `fault_point` is an empty inline function: nothing is compiled in.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -16,6 +20,20 @@ pub struct LoopHealth {
     start: Instant,
     last_beat_ms: AtomicU64,
     restarts: AtomicU64,
+    #[cfg(test)]
+    fault: std::sync::Mutex<Option<Fault>>,
+    #[cfg(test)]
+    stalled_at: std::sync::Mutex<Option<Instant>>,
+}
+
+/// A one-shot fault for tests (see the module header).
+#[cfg(test)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Fault {
+    /// Stop beating for this long, as a loop stuck in a blocking call would.
+    Stall(Duration),
+    /// Panic inside the loop body.
+    Panic,
 }
 
 impl LoopHealth {
@@ -25,7 +43,40 @@ impl LoopHealth {
             start: Instant::now(),
             last_beat_ms: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
+            #[cfg(test)]
+            fault: std::sync::Mutex::new(None),
+            #[cfg(test)]
+            stalled_at: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Where a loop hits an injected fault; called right after `beat`.
+    #[cfg(not(test))]
+    #[inline(always)]
+    pub(super) fn fault_point(&self) {}
+
+    #[cfg(test)]
+    pub(super) fn fault_point(&self) {
+        let fault = self.fault.lock().unwrap().take();
+        match fault {
+            None => {}
+            Some(Fault::Stall(d)) => {
+                *self.stalled_at.lock().unwrap() = Some(Instant::now());
+                std::thread::sleep(d);
+            }
+            Some(Fault::Panic) => panic!("injected fault"),
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn inject(&self, f: Fault) {
+        *self.fault.lock().unwrap() = Some(f);
+    }
+
+    /// When the last injected stall began.
+    #[cfg(test)]
+    pub(crate) fn stalled_at(&self) -> Option<Instant> {
+        *self.stalled_at.lock().unwrap()
     }
 
     pub fn beat(&self) {
