@@ -561,14 +561,7 @@ impl ModelRunner for CudaModelRunner {
         let nw = self.forward(batch)?;
         let vocab = self.cfg.vocab_size;
         let logits = self.dev.download(&self.bufs.logits.as_view(), nw * vocab)?;
-        let mut rows = logits.chunks_exact(vocab);
-        Ok(batch
-            .iter()
-            .map(|b| {
-                b.want_logits
-                    .then(|| rows.next().map(<[f32]>::to_vec).unwrap_or_default())
-            })
-            .collect())
+        Ok(super::runner::split_logits(batch, &logits, vocab))
     }
 
     fn seq_len(&self, seq: SeqId) -> usize {

@@ -124,6 +124,23 @@ impl CpuModelRunner {
     }
 }
 
+/// Hand each `want_logits` entry its row of `logits` (rows in batch order), for every
+/// backend's `step`.
+pub(crate) fn split_logits(
+    batch: &[StepInput],
+    logits: &[f32],
+    vocab: usize,
+) -> Vec<Option<Vec<f32>>> {
+    let mut rows = logits.chunks_exact(vocab);
+    batch
+        .iter()
+        .map(|b| {
+            b.want_logits
+                .then(|| rows.next().map(<[f32]>::to_vec).unwrap_or_default())
+        })
+        .collect()
+}
+
 /// Check a step before it touches the cache, for every backend: each sequence once, with
 /// tokens in the vocabulary, within the context length, and KV blocks for everyone or no
 /// one (a step never half-reserves).
@@ -240,15 +257,7 @@ impl ModelRunner for CpuModelRunner {
             let len = self.kv.len(b.seq) + b.tokens.len();
             self.kv.set_len(b.seq, len);
         }
-        let vocab = self.cfg.vocab_size;
-        let mut rows = logits.chunks_exact(vocab);
-        Ok(batch
-            .iter()
-            .map(|b| {
-                b.want_logits
-                    .then(|| rows.next().map(<[f32]>::to_vec).unwrap_or_default())
-            })
-            .collect())
+        Ok(split_logits(batch, logits, self.cfg.vocab_size))
     }
 
     fn seq_len(&self, seq: SeqId) -> usize {
