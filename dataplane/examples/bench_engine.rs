@@ -1,21 +1,30 @@
 //! Engine throughput on the real model.
 //!
-//! cargo run --release -p tandem-dataplane --example bench_engine -- [--kv f16|q8_0|f32] [MODEL.gguf]
+//! cargo run --release -p tandem-dataplane --example bench_engine -- \
+//!     [--kv f16|q8_0|f32] [--reps N] [--only C] [MODEL.gguf]
 //!
-//! Prints prompt tok/s for a 512-token prompt, decode tok/s at concurrency 1 (short and
-//! 448–512-token contexts), aggregate decode tok/s at concurrency 8 and 32 with 448–512
-//! token contexts, and the peak RSS. Long contexts are set up by prefilling one 448-token
-//! prompt and importing its KV into every sequence (the PD import path), so the setup
-//! does not dominate the run.
+//! Prints prompt tok/s for a 512-token prompt, then decode tok/s (greedy, through
+//! `step_sample` as the scheduler calls it) at concurrency 1, 8 and 32, for short
+//! (16..80-token) and long (448..512-token) contexts, and the peak RSS. Long contexts are
+//! set up by prefilling one 448-token prompt and importing its KV into every sequence
+//! (the PD import path), so the setup does not dominate the run.
+//!
+//! Shared machines drift in speed by tens of percent over a minute, so the concurrency
+//! levels are measured interleaved (1, 8, 32, 1, 8, 32, ...) `--reps` times (default 3)
+//! and each figure is the median; the C=32 / C=1 ratios compare medians of interleaved
+//! runs. `--only C` measures one level (for profiling).
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use tandem_dataplane::engine_api::{ModelRunner, SeqId, StepInput};
 use tandem_dataplane::model::{CpuModelRunner, RunnerConfig};
+use tandem_dataplane::sampling::{Sampler, SamplingParams};
 use tandem_kernels::GgmlType;
 
 const DECODE_STEPS: usize = 64;
+/// Prompt length of the short-context runs.
+const SHORT_PROMPT: usize = 16;
 const CONTEXT: usize = 512;
 
 fn argmax(v: &[f32]) -> u32 {
@@ -40,8 +49,14 @@ fn prompt(n: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Decode `DECODE_STEPS` tokens for every sequence in `seqs` together; returns tok/s.
+/// Decode `DECODE_STEPS` tokens for every sequence in `seqs` together, sampling greedily
+/// through `step_sample` as the scheduler does; returns tok/s.
 fn decode(r: &mut CpuModelRunner, seqs: &[SeqId], next: &mut [u32]) -> f64 {
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let mut samplers: Vec<Sampler> = seqs.iter().map(|_| Sampler::new(greedy.clone())).collect();
     let start = Instant::now();
     for _ in 0..DECODE_STEPS {
         let batch: Vec<StepInput> = seqs
@@ -53,16 +68,63 @@ fn decode(r: &mut CpuModelRunner, seqs: &[SeqId], next: &mut [u32]) -> f64 {
                 want_logits: true,
             })
             .collect();
-        let out = r.step(&batch).expect("decode step");
-        for (n, l) in next.iter_mut().zip(out) {
-            *n = argmax(&l.expect("logits"));
+        let mut refs: Vec<&mut Sampler> = samplers.iter_mut().collect();
+        let out = r.step_sample(&batch, &mut refs).expect("decode step");
+        for (n, sampled) in next.iter_mut().zip(out) {
+            *n = sampled.expect("a sampled token").0;
         }
     }
     (seqs.len() * DECODE_STEPS) as f64 / start.elapsed().as_secs_f64()
 }
 
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Sequences of the long-context runs start from this imported KV (448 tokens).
+struct LongStart {
+    payload: Vec<u8>,
+    first: u32,
+}
+
+/// Set up `c` sequences (short prompts, or `long`'s imported KV), decode them together,
+/// free them; returns aggregate tok/s.
+fn run_level(r: &mut CpuModelRunner, c: usize, long: Option<&LongStart>) -> f64 {
+    let seqs: Vec<SeqId> = (0..c as u64).map(|i| SeqId(2000 + i)).collect();
+    let mut next = match long {
+        Some(l) => {
+            for s in &seqs {
+                r.import_kv(*s, &l.payload).expect("import KV");
+            }
+            vec![l.first; c]
+        }
+        None => {
+            // Each sequence its own prompt, prefilled in one batched step.
+            let batch: Vec<StepInput> = seqs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| StepInput {
+                    seq: *s,
+                    tokens: prompt(SHORT_PROMPT, 10 + i as u32),
+                    want_logits: true,
+                })
+                .collect();
+            let out = r.step(&batch).expect("prefill");
+            out.iter().map(|l| argmax(l.as_ref().unwrap())).collect()
+        }
+    };
+    let tps = decode(r, &seqs, &mut next);
+    for s in &seqs {
+        r.free(*s);
+    }
+    tps
+}
+
 fn main() {
     let mut kv = GgmlType::F16;
+    let mut only: Option<usize> = None;
+    let mut reps = 3usize;
     let mut model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let mut args = std::env::args().skip(1);
@@ -75,14 +137,16 @@ fn main() {
                     _ => GgmlType::F16,
                 }
             }
+            "--only" => only = args.next().and_then(|c| c.parse().ok()),
+            "--reps" => reps = args.next().and_then(|c| c.parse().ok()).unwrap_or(3).max(1),
             other => model = PathBuf::from(other),
         }
     }
-    // Room for 32 sequences of 512 tokens plus the prefill benchmark's sequences.
+    // Room for 32 sequences of 512 tokens plus the setup sequences.
     let rc = RunnerConfig::with_kv_tokens(34 * CONTEXT, kv);
     let mut r = CpuModelRunner::load(&model, rc).expect("load model (run `make model`)");
     println!(
-        "model {} | kernels {} | threads {} | KV {kv}",
+        "model {} | kernels {} | threads {} | KV {kv} | {reps} interleaved reps, medians",
         model.display(),
         r.kernels_name(),
         tandem_kernels::CpuKernels::new().threads()
@@ -97,30 +161,25 @@ fn main() {
     .unwrap();
     r.free(SeqId(1000));
 
-    let p = prompt(CONTEXT, 1);
-    let t = Instant::now();
-    r.step(&[StepInput {
-        seq: SeqId(1001),
-        tokens: p,
-        want_logits: true,
-    }])
-    .unwrap();
-    let prefill = CONTEXT as f64 / t.elapsed().as_secs_f64();
-    r.free(SeqId(1001));
-    println!("prompt (512 tokens, one step):        {prefill:8.1} tok/s");
-
-    let short = SeqId(1002);
-    let l = r
-        .step(&[StepInput {
-            seq: short,
-            tokens: prompt(16, 2),
-            want_logits: true,
-        }])
-        .unwrap();
-    let mut next = vec![argmax(l[0].as_ref().unwrap())];
-    let c1_short = decode(&mut r, &[short], &mut next);
-    r.free(short);
-    println!("decode C=1, context 16..80:           {c1_short:8.1} tok/s");
+    if only.is_none() {
+        let mut runs: Vec<f64> = (0..reps)
+            .map(|_| {
+                let t = Instant::now();
+                r.step(&[StepInput {
+                    seq: SeqId(1001),
+                    tokens: prompt(CONTEXT, 1),
+                    want_logits: true,
+                }])
+                .unwrap();
+                r.free(SeqId(1001));
+                CONTEXT as f64 / t.elapsed().as_secs_f64()
+            })
+            .collect();
+        println!(
+            "prompt (512 tokens, one step):            {:8.1} tok/s",
+            median(&mut runs)
+        );
+    }
 
     let base_len = CONTEXT - DECODE_STEPS;
     let l = r
@@ -130,30 +189,39 @@ fn main() {
             want_logits: true,
         }])
         .unwrap();
-    let first = argmax(l[0].as_ref().unwrap());
-    let kv_payload = r.export_kv(SeqId(1003)).unwrap();
+    let long = LongStart {
+        first: argmax(l[0].as_ref().unwrap()),
+        payload: r.export_kv(SeqId(1003)).unwrap(),
+    };
     r.free(SeqId(1003));
 
-    let mut results = Vec::new();
-    for c in [1usize, 8, 32] {
-        let seqs: Vec<SeqId> = (0..c as u64).map(SeqId).collect();
-        for s in &seqs {
-            r.import_kv(*s, &kv_payload).unwrap();
+    let levels = only.map_or(vec![1usize, 8, 32], |c| vec![c]);
+    let short_ctx = format!("{SHORT_PROMPT}..{}", SHORT_PROMPT + DECODE_STEPS);
+    let long_ctx = format!("{base_len}..{CONTEXT}");
+    for (name, start) in [(short_ctx, None), (long_ctx, Some(&long))] {
+        let mut tps: Vec<Vec<f64>> = vec![Vec::new(); levels.len()];
+        for _ in 0..reps {
+            for (i, &c) in levels.iter().enumerate() {
+                tps[i].push(run_level(&mut r, c, start));
+            }
         }
-        let mut next = vec![first; c];
-        let tps = decode(&mut r, &seqs, &mut next);
-        println!("decode C={c:<2}, context {base_len}..{CONTEXT}:      {tps:8.1} tok/s aggregate");
-        results.push(tps);
-        if c == 32 {
-            println!("KV blocks used at C=32: {:?}", r.kv_usage());
+        let mut medians = Vec::new();
+        for (&c, runs) in levels.iter().zip(&mut tps) {
+            let (lo, hi) = runs
+                .iter()
+                .fold((f64::MAX, 0f64), |(a, b), &x| (a.min(x), b.max(x)));
+            let m = median(runs);
+            println!(
+                "decode C={c:<2}, context {name:>8}: {m:8.1} tok/s aggregate  (runs {lo:.1}..{hi:.1})"
+            );
+            medians.push(m);
         }
-        for s in &seqs {
-            r.free(*s);
+        if levels.len() == 3 {
+            println!(
+                "C=32 / C=1, context {name:>8}: {:.1}x",
+                medians[2] / medians[0]
+            );
         }
     }
-    println!(
-        "C=32 / C=1 (same contexts): {:.1}x",
-        results[2] / results[0]
-    );
     println!("peak RSS: {:.0} MB", peak_rss_mb());
 }

@@ -61,6 +61,7 @@ pub fn build(cfg: &Config) -> Result<App> {
     let rc = RunnerConfig {
         kv: KvCacheConfig {
             n_blocks: cfg.kv_blocks.max(1),
+            dtype: cfg.kv_dtype.ggml(),
             ..KvCacheConfig::default()
         },
     };
@@ -89,6 +90,7 @@ pub fn build(cfg: &Config) -> Result<App> {
         context_length = info.context_length,
         kv_blocks = cfg.kv_blocks,
         kv_block_tokens = info.kv_block_size,
+        kv_dtype = ?cfg.kv_dtype,
         has_chat_template = chat.is_some(),
         "model loaded"
     );

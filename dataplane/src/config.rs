@@ -25,6 +25,29 @@ impl Role {
     }
 }
 
+/// Storage type of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvDtype {
+    /// 2 bytes per value.
+    F16,
+    /// 34 bytes per 32 values: about half the memory of F16 (values rounded per 32-block
+    /// to 8 bits with one f16 scale).
+    #[value(name = "q8_0")]
+    Q8_0,
+    /// 4 bytes per value (for debugging).
+    F32,
+}
+
+impl KvDtype {
+    pub fn ggml(self) -> tandem_kernels::GgmlType {
+        match self {
+            Self::F16 => tandem_kernels::GgmlType::F16,
+            Self::Q8_0 => tandem_kernels::GgmlType::Q8_0,
+            Self::F32 => tandem_kernels::GgmlType::F32,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -56,6 +79,10 @@ pub struct Config {
     /// KV cache blocks (16 tokens each).
     #[arg(long, env = "TANDEM_KV_BLOCKS", default_value_t = 2048)]
     pub kv_blocks: usize,
+    /// KV cache storage type. The prefill and decode roles of one group must use the same
+    /// (their handshake checks it).
+    #[arg(long, env = "TANDEM_KV_DTYPE", value_enum, default_value = "f16")]
+    pub kv_dtype: KvDtype,
     /// Most prompt tokens prefilled per engine step.
     #[arg(long, env = "TANDEM_CHUNK_SIZE", default_value_t = 256)]
     pub chunk_size: usize,
@@ -238,6 +265,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.role, Role::Decode);
+        assert_eq!(c.kv_dtype, KvDtype::F16, "the default KV dtype");
         assert_eq!(c.prefill_peers, ["p0.g:6000", "p1.g:6000"]);
         assert_eq!(c.kv_port, 6000);
         let t = c.pd_timings();
@@ -249,5 +277,20 @@ mod tests {
             ..t
         };
         assert_eq!(short.session_expiry(), Duration::from_secs(4));
+    }
+
+    #[test]
+    fn kv_dtype_is_chosen_by_flag_and_bad_values_are_named() {
+        let c = Config::try_parse_from(["x", "--model", "m.gguf", "--kv-dtype", "q8_0"]).unwrap();
+        assert_eq!(c.kv_dtype, KvDtype::Q8_0);
+        assert_eq!(c.kv_dtype.ggml(), tandem_kernels::GgmlType::Q8_0);
+        let err = Config::try_parse_from(["x", "--model", "m.gguf", "--kv-dtype", "q4"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--kv-dtype") && err.contains("q4"), "{err}");
+        assert!(
+            err.contains("q8_0"),
+            "the error lists the valid values: {err}"
+        );
     }
 }

@@ -62,74 +62,134 @@ impl Sampler {
         }
     }
 
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> (u32, Option<TokenLogprob>) {
         let token = if self.params.temperature <= 0.0 {
             argmax(logits)
         } else {
             self.sample_random(logits)
         };
-        let lp = self.params.logprobs.map(|n| logprobs(logits, token, n));
-        (token, lp)
+        (token, self.logprobs_of(logits, token))
+    }
+
+    /// The random number the next sample uses, drawn now: `None` when greedy (no draw).
+    /// With [`Sampler::sample_drawn`] this splits [`Sampler::sample`] in two, so that a
+    /// device can pick the token: the stream of draws is the same as with `sample`, one
+    /// per token when `temperature > 0` (the one exception: a row without any finite
+    /// logit, where `sample` takes the argmax without drawing).
+    pub fn draw(&mut self) -> Option<f32> {
+        (self.params.temperature > 0.0).then(|| self.rng.random::<f32>())
+    }
+
+    /// What [`Sampler::sample`] returns for `logits` when its draw is `u` (from
+    /// [`Sampler::draw`]); consumes no randomness.
+    pub fn sample_drawn(&self, logits: &[f32], u: Option<f32>) -> (u32, Option<TokenLogprob>) {
+        let token = match u {
+            Some(u) if self.params.temperature > 0.0 => nucleus(&self.params, logits)
+                .map_or_else(|| argmax(logits), |(cand, probs)| pick(&cand, &probs, u)),
+            _ => argmax(logits),
+        };
+        (token, self.logprobs_of(logits, token))
+    }
+
+    fn logprobs_of(&self, logits: &[f32], token: u32) -> Option<TokenLogprob> {
+        self.params.logprobs.map(|n| logprobs(logits, token, n))
     }
 
     fn sample_random(&mut self, logits: &[f32]) -> u32 {
-        let inv_t = 1.0 / self.params.temperature;
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| l.is_finite())
-            .map(|(i, &l)| (i as u32, l * inv_t))
-            .collect();
-        if cand.is_empty() {
+        let Some((cand, probs)) = nucleus(&self.params, logits) else {
             return argmax(logits);
-        }
-        let by_logit_desc =
-            |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        let k = self.params.top_k;
-        if k > 0 && k < cand.len() {
-            cand.select_nth_unstable_by(k - 1, by_logit_desc);
-            cand.truncate(k);
-        }
-        // A total order (ties by id) keeps sampling deterministic for a given seed.
-        cand.sort_unstable_by(by_logit_desc);
-        let max = cand[0].1;
-        let mut probs: Vec<f32> = cand.iter().map(|&(_, l)| (l - max).exp()).collect();
-        let sum: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= sum);
-        let p = self.params.top_p;
-        if p < 1.0 {
-            // Smallest prefix whose mass reaches top_p; at least one token.
-            let mut acc = 0.0;
-            let keep = probs
-                .iter()
-                .position(|&x| {
-                    acc += x;
-                    acc >= p
-                })
-                .map_or(probs.len(), |i| i + 1);
-            probs.truncate(keep);
-        }
-        let total: f32 = probs.iter().sum();
-        let mut r = self.rng.random::<f32>() * total;
-        for (i, &pr) in probs.iter().enumerate() {
-            if r < pr {
-                return cand[i].0;
-            }
-            r -= pr;
-        }
-        cand[probs.len() - 1].0
+        };
+        let u = self.rng.random::<f32>();
+        pick(&cand, &probs, u)
     }
 }
 
-/// Index of the largest logit; the lowest index wins ties.
+/// Candidates `(token, scaled logit)`, sorted, and the probabilities of those kept.
+type Nucleus = (Vec<(u32, f32)>, Vec<f32>);
+
+/// The candidates (sorted by scaled logit, descending, ties by id) and their normalized
+/// probabilities after temperature, top-k and top-p; `None` when no logit is finite.
+/// Only `temperature > 0` calls it.
+fn nucleus(params: &SamplingParams, logits: &[f32]) -> Option<Nucleus> {
+    let inv_t = 1.0 / params.temperature;
+    let mut cand: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.is_finite())
+        .map(|(i, &l)| (i as u32, l * inv_t))
+        .collect();
+    if cand.is_empty() {
+        return None;
+    }
+    let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let k = params.top_k;
+    if k > 0 && k < cand.len() {
+        cand.select_nth_unstable_by(k - 1, by_logit_desc);
+        cand.truncate(k);
+    }
+    // A total order (ties by id) keeps sampling deterministic for a given seed.
+    cand.sort_unstable_by(by_logit_desc);
+    let max = cand[0].1;
+    let mut probs: Vec<f32> = cand.iter().map(|&(_, l)| (l - max).exp()).collect();
+    let sum: f32 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= sum);
+    let p = params.top_p;
+    if p < 1.0 {
+        // Smallest prefix whose mass reaches top_p; at least one token.
+        let mut acc = 0.0;
+        let keep = probs
+            .iter()
+            .position(|&x| {
+                acc += x;
+                acc >= p
+            })
+            .map_or(probs.len(), |i| i + 1);
+        probs.truncate(keep);
+    }
+    Some((cand, probs))
+}
+
+/// The candidate whose share of the kept mass contains `u` in `[0, 1)`.
+fn pick(cand: &[(u32, f32)], probs: &[f32], u: f32) -> u32 {
+    let total: f32 = probs.iter().sum();
+    let mut r = u * total;
+    for (i, &pr) in probs.iter().enumerate() {
+        if r < pr {
+            return cand[i].0;
+        }
+        r -= pr;
+    }
+    cand[probs.len() - 1].0
+}
+
+/// Index of the largest logit; the lowest index wins ties (and NaNs are passed over, but
+/// a NaN at index 0 wins, as in a left-to-right scan that keeps the first maximum).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
+    // Greedy decoding runs this over the whole vocabulary for every token: the maximum
+    // over 16 independent lanes vectorizes, then one scan finds its first position.
+    const LANES: usize = 16;
+    match logits.first() {
+        None => return 0,
+        Some(x) if x.is_nan() => return 0,
+        Some(_) => {}
+    }
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (m, &x) in lanes.iter_mut().zip(chunk) {
+            *m = if x > *m { x } else { *m };
         }
     }
-    best as u32
+    let max = lanes
+        .iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    logits.iter().position(|&x| x == max).unwrap_or(0) as u32
 }
 
 fn logprobs(logits: &[f32], token: u32, n: usize) -> TokenLogprob {
@@ -160,6 +220,49 @@ fn logprobs(logits: &[f32], token: u32, n: usize) -> TokenLogprob {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The definition: a left-to-right scan keeping the first strictly larger value.
+    fn argmax_scan(logits: &[f32]) -> u32 {
+        let mut best = 0;
+        for (i, &l) in logits.iter().enumerate() {
+            if l > logits[best] {
+                best = i;
+            }
+        }
+        best as u32
+    }
+
+    #[test]
+    fn argmax_equals_a_left_to_right_scan_including_ties_nans_and_infinities() {
+        let mut cases: Vec<Vec<f32>> = vec![
+            vec![],
+            vec![f32::NAN, 5.0, 7.0],
+            vec![1.0, f32::NAN, 7.0, 7.0],
+            vec![f32::NEG_INFINITY; 37],
+            vec![-0.0, 0.0, -0.0],
+            vec![0.0, -0.0],
+            vec![2.0, f32::INFINITY, 3.0, f32::INFINITY],
+            vec![f32::NAN; 20],
+        ];
+        let mut state = 7u64;
+        for len in [1usize, 15, 16, 17, 33, 100, 49152] {
+            let v: Vec<f32> = (0..len)
+                .map(|_| {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    // Few distinct values, so ties across lanes and the tail are common.
+                    ((state >> 60) as f32) - 7.0
+                })
+                .collect();
+            cases.push(v);
+        }
+        let mut with_nans = cases.last().unwrap().clone();
+        with_nans[3] = f32::NAN;
+        with_nans[40000] = f32::NAN;
+        cases.push(with_nans);
+        for (i, c) in cases.iter().enumerate() {
+            assert_eq!(argmax(c), argmax_scan(c), "case {i} (len {})", c.len());
+        }
+    }
 
     fn logits() -> Vec<f32> {
         vec![1.0, 3.0, 2.0, 3.0, -1.0, 0.5]
@@ -229,5 +332,56 @@ mod tests {
         let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
         assert_eq!(ids, vec![1, 3, 2]);
         assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+    }
+
+    #[test]
+    fn draw_then_sample_drawn_equals_sample() {
+        // The split the device path uses gives the same tokens, logprobs and stream of
+        // draws as `sample`, for greedy, temperature, top-k, top-p and their mixes.
+        let rows: Vec<Vec<f32>> = (0..40u32)
+            .map(|r| {
+                (0..50u32)
+                    .map(|i| ((i * 7919 + r * 104_729) % 1000) as f32 / 125.0 - 4.0)
+                    .collect()
+            })
+            .collect();
+        for (t, k, p) in [
+            (0.0, 0, 1.0),
+            (1.0, 0, 1.0),
+            (0.7, 5, 1.0),
+            (1.3, 0, 0.8),
+            (0.9, 10, 0.5),
+            (2.0, 1, 1.0),
+        ] {
+            let params = SamplingParams {
+                logprobs: Some(2),
+                ..params(t, k, p, 99)
+            };
+            let (mut a, mut b) = (Sampler::new(params.clone()), Sampler::new(params));
+            for l in &rows {
+                let u = b.draw();
+                assert_eq!(u.is_some(), t > 0.0);
+                assert_eq!(a.sample(l), b.sample_drawn(l, u), "T {t} k {k} p {p}");
+            }
+            // Both consumed the same draws: the streams stay in step.
+            assert_eq!(a.draw(), b.draw());
+        }
+    }
+
+    #[test]
+    fn sample_drawn_partitions_the_unit_interval_by_probability() {
+        // T = 1 over ln(1), ln(3): token 1 owns [0, 0.75) (sorted first), token 0 the rest.
+        let s = Sampler::new(params(1.0, 0, 1.0, 0));
+        let l = [0.0f32, (3.0f32).ln()];
+        assert_eq!(s.sample_drawn(&l, Some(0.0)).0, 1);
+        assert_eq!(s.sample_drawn(&l, Some(0.7499)).0, 1);
+        assert_eq!(s.sample_drawn(&l, Some(0.7501)).0, 0);
+        assert_eq!(s.sample_drawn(&l, Some(0.9999)).0, 0);
+        // No finite logit: the argmax, whatever the draw.
+        let nan = [f32::NAN, f32::NEG_INFINITY];
+        assert_eq!(s.sample_drawn(&nan, Some(0.5)).0, argmax(&nan));
+        // Greedy ignores the draw.
+        let g = Sampler::new(params(0.0, 0, 1.0, 0));
+        assert_eq!(g.sample_drawn(&l, Some(0.9)).0, 1);
     }
 }

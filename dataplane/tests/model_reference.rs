@@ -293,6 +293,28 @@ fn smollm2_production_path_matches_numpy_q8() {
     );
 }
 
+/// The same with the KV cache stored as Q8_0 (`--kv-dtype q8_0`, half the memory of F16);
+/// the reference rounds K and V to Q8_0 the same way. Same bounds as above.
+#[test]
+fn smollm2_production_path_with_q8_0_kv_cache_matches_numpy_q8() {
+    let path = model_path();
+    let mut r = runner(&path, GgmlType::Q8_0, tandem_kernels::best_backend());
+    let tol = Tol {
+        max_abs: 3.0,
+        rms: 0.45,
+        tie_margin: 1.0,
+    };
+    compare(
+        "SmolLM2 Q4_1, Q8 activations, Q8_0 KV cache",
+        &mut r,
+        &path,
+        &prompts(),
+        32,
+        "q8",
+        tol,
+    );
+}
+
 #[test]
 fn synthetic_models_of_every_type_match_numpy_reference() {
     let dir = std::env::temp_dir().join(format!("tandem-synth-{}", std::process::id()));

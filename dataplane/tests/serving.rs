@@ -117,9 +117,27 @@ fn greedy_tokens(s: &Server, prompt: &str) -> Vec<String> {
 
 #[test]
 fn concurrent_greedy_requests_equal_sequential_runs() {
+    concurrent_equals_sequential(&[]);
+}
+
+/// The same with the Q8_0 KV cache (`--kv-dtype q8_0`): its attention path must not depend
+/// on the batch either.
+#[test]
+fn concurrent_greedy_requests_equal_sequential_runs_with_q8_0_kv_cache() {
+    let s = concurrent_equals_sequential(&["--kv-dtype", "q8_0"]);
+    assert!(
+        !s.log_lines(&["model loaded", "Q8_0"]).is_empty(),
+        "the startup log names the KV dtype:\n{}",
+        s.log_text()
+    );
+}
+
+fn concurrent_equals_sequential(extra: &[&str]) -> Server {
     // Chunk size above every prompt here: prompts are prefilled whole, so this compares
     // batching alone (chunked interleaving is covered by the scheduler's unit tests).
-    let s = Server::start(&["--max-batch", "8", "--chunk-size", "256"]);
+    let mut args = vec!["--max-batch", "8", "--chunk-size", "256"];
+    args.extend_from_slice(extra);
+    let s = Server::start(&args);
     let prompts: Vec<String> = [
         "The capital of France is",
         "def fibonacci(n):",
@@ -149,6 +167,7 @@ fn concurrent_greedy_requests_equal_sequential_runs() {
         distinct.len() > 4,
         "different prompts should give different outputs"
     );
+    s
 }
 
 #[test]

@@ -320,3 +320,123 @@ fn embedding_sampling_and_kv_transfer_kernels_are_exact() {
         );
     }
 }
+
+#[test]
+fn sample_kernel_greedy_and_top1_rows_are_exact_and_deferral_is_flagged() {
+    // The full sampler is checked against the host `Sampler` in the dataplane GPU tests;
+    // here the rows whose answer does not depend on rounding: greedy and top_k = 1 equal
+    // argmax (lowest index on ties), a row without a finite logit is left to the host.
+    use tandem_kernels::cuda::launch::{self, SampleRow};
+    let g = gpu();
+    let d = g.device();
+    let mut r = Rng(9);
+    let vocab = 49152;
+    let mut logits = r.vec(4 * vocab, 10.0);
+    logits[100] = 40.0;
+    logits[30] = 40.0; // tie: 30 wins
+    logits[vocab + 5000] = 35.0;
+    logits[3 * vocab..].fill(f32::NEG_INFINITY);
+    logits[3 * vocab + 17] = f32::NAN;
+    let top1 = SampleRow {
+        inv_temperature: 1.0 / 0.7,
+        top_k: 1,
+        top_p: 1.0,
+        uniform: 0.99,
+    };
+    let rows = [
+        SampleRow::GREEDY,
+        top1,
+        SampleRow {
+            uniform: 0.0,
+            ..top1
+        },
+        SampleRow {
+            inv_temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            uniform: 0.5,
+        },
+    ];
+    let ld = d.upload(&logits).unwrap();
+    let pd = d.upload(&launch::pack_sample_rows(&rows)).unwrap();
+    let mut od = d.zeros::<u32>(4).unwrap();
+    d.sample(
+        &ld.as_view(),
+        4,
+        vocab,
+        &pd.as_view(),
+        &mut od.as_view_mut(),
+    )
+    .unwrap();
+    let got = d.download(&od.as_view(), 4).unwrap();
+    let argmax = |row: usize| {
+        let x = &logits[row * vocab..(row + 1) * vocab];
+        let mut best = 0;
+        for (i, v) in x.iter().enumerate() {
+            if *v > x[best] {
+                best = i;
+            }
+        }
+        best as u32
+    };
+    assert_eq!(got[0], 30, "greedy, lowest index of the tie");
+    assert_eq!(got[1], argmax(1));
+    assert_eq!(got[1], 5000);
+    assert_eq!(got[2], argmax(2));
+    assert_eq!(got[3], launch::SAMPLE_DEFER, "no finite logit");
+    // Greedy over that row: argmax's answer (index 0 of an all -inf / NaN row).
+    let pd = d
+        .upload(&launch::pack_sample_rows(&[SampleRow::GREEDY; 4]))
+        .unwrap();
+    d.sample(
+        &ld.as_view(),
+        4,
+        vocab,
+        &pd.as_view(),
+        &mut od.as_view_mut(),
+    )
+    .unwrap();
+    let got = d.download(&od.as_view(), 4).unwrap();
+    assert_eq!(got, (0..4).map(argmax).collect::<Vec<_>>());
+}
+
+#[test]
+fn kv_store_skips_negative_slots_and_graphs_capture_and_replay() {
+    let g = gpu();
+    let d = g.device();
+    // Padding rows of a decode graph carry slot -1: nothing is written for them.
+    let mut kv = d.alloc_kv(GgmlType::F32, 1, 32, 4, 2).unwrap();
+    let k: Vec<f32> = (0..64).map(|i| i as f32 + 1.0).collect();
+    let kd = d.upload(&k).unwrap();
+    let sd = d.upload(&[-1i64, 5]).unwrap();
+    d.kv_store(&mut kv, 0, &kd.as_view(), &kd.as_view(), &sd.as_view(), 2)
+        .unwrap();
+    let all = d.kv_gather(&kv, &[0, 1], 8).unwrap();
+    let rows: Vec<f32> = all
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    for (pos, row) in rows[..8 * 32].chunks(32).enumerate() {
+        let want: &[f32] = if pos == 5 { &k[32..] } else { &[0.0; 32] };
+        assert_eq!(row, want, "K row {pos}");
+    }
+
+    // A captured graph runs nothing until launched, then replays the same kernels on
+    // whatever the buffers hold at launch time.
+    let mut x = d.upload(&[1f32; 64]).unwrap();
+    let mut y = d.upload(&[2f32; 64]).unwrap();
+    let graph = d
+        .capture(|| d.add(&mut x.as_view_mut(), &y.as_view(), 64))
+        .unwrap();
+    assert_eq!(d.download(&x.as_view(), 64).unwrap(), vec![1.0; 64]);
+    d.launch_graph(&graph).unwrap();
+    assert_eq!(d.download(&x.as_view(), 64).unwrap(), vec![3.0; 64]);
+    d.upload_into(&[5f32; 64], &mut y).unwrap();
+    d.launch_graph(&graph).unwrap();
+    assert_eq!(d.download(&x.as_view(), 64).unwrap(), vec![8.0; 64]);
+    // A capture that does something a capture may not (synchronize) fails cleanly and
+    // leaves the stream usable.
+    assert!(d.capture(|| d.synchronize()).is_err());
+    d.add(&mut x.as_view_mut(), &y.as_view(), 64).unwrap();
+    assert_eq!(d.download(&x.as_view(), 64).unwrap(), vec![13.0; 64]);
+}

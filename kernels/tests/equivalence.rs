@@ -279,8 +279,8 @@ fn attention_matches_dense_math_and_reference() {
         for (name, kern) in backends() {
             let mut got = vec![0f32; q.len()];
             kern.attention(&s, &q, &queries, &k, &v, &mut got).unwrap();
-            for (a, b) in want.iter().zip(&got) {
-                assert!((a - b).abs() < 1e-5, "{name} {ty}: {a} vs {b}");
+            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                assert!((a - b).abs() < 1e-5, "{name} {ty} at {i}: {a} vs {b}");
             }
         }
         // A block id outside the pool is an error, not an out-of-bounds read.
@@ -342,6 +342,66 @@ fn elementwise_kernels_match_reference() {
         k.softmax(&mut sb);
         assert!((sa.iter().sum::<f32>() - 1.0).abs() < 1e-5);
         assert!(sa.iter().zip(&sb).all(|(p, q)| (p - q).abs() < 1e-7));
+    }
+}
+
+/// Large batches take the pooled paths (rows of norms and rope split over threads, silu
+/// in chunks): the same results as the reference, and each row the same bits as when it
+/// is computed alone (batched decoding equals single-sequence decoding bit for bit).
+#[test]
+fn pooled_elementwise_paths_match_reference_and_single_rows() {
+    let mut rng = Rng(78);
+    let (dim, rows) = (96, 37);
+    let w = rng.vec(dim, 1.0);
+    let x = rng.vec(dim * rows, 3.0);
+    let pos: Vec<usize> = (0..rows).map(|i| (i * 7) % 64).collect();
+    let table = RopeTable::new(RopeStyle::Normal, 32, 10000.0, 64).unwrap();
+    let big_gate = rng.vec(3 * 16 * 1024 + 5, 4.0);
+    let big_up = rng.vec(big_gate.len(), 2.0);
+    for (name, k) in backends() {
+        let (mut a, mut b) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+        ScalarKernels.rmsnorm(&x, &w, 1e-5, &mut a).unwrap();
+        k.rmsnorm(&x, &w, 1e-5, &mut b).unwrap();
+        for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (p - q).abs() <= 1e-5 * p.abs().max(1.0),
+                "{name} rmsnorm at {i}"
+            );
+        }
+        for r in [0, 17, rows - 1] {
+            let mut one = vec![0f32; dim];
+            k.rmsnorm(&x[r * dim..(r + 1) * dim], &w, 1e-5, &mut one)
+                .unwrap();
+            assert_eq!(one, b[r * dim..(r + 1) * dim], "{name} rmsnorm row {r}");
+        }
+
+        let (mut ra, mut rb) = (x.clone(), x.clone());
+        ScalarKernels.rope(&mut ra, 3, 32, &pos, &table).unwrap();
+        k.rope(&mut rb, 3, 32, &pos, &table).unwrap();
+        assert_eq!(ra, rb, "{name} rope over {rows} tokens");
+        let short = &mut x.clone()[..dim * 3];
+        assert!(
+            k.rope(short, 3, 32, &pos, &table).is_err(),
+            "{name}: rope with more positions than tokens is an error"
+        );
+
+        let (mut ga, mut gb) = (big_gate.clone(), big_gate.clone());
+        ScalarKernels.silu_mul(&mut ga, &big_up).unwrap();
+        k.silu_mul(&mut gb, &big_up).unwrap();
+        assert!(
+            ga.iter()
+                .zip(&gb)
+                .all(|(p, q)| (p - q).abs() <= 1e-5 * p.abs().max(1.0)),
+            "{name} silu over {} values",
+            ga.len()
+        );
+        let mut part = big_gate[..4096].to_vec();
+        k.silu_mul(&mut part, &big_up[..4096]).unwrap();
+        assert_eq!(
+            part,
+            gb[..4096],
+            "{name} silu: a chunk alone gives the same bits"
+        );
     }
 }
 
@@ -466,6 +526,58 @@ fn exact_activation_mode_matches_dense_f32_math() {
                         );
                     }
                 }
+            }
+        }
+    }
+}
+
+/// A query's attention output does not depend on the batch it is computed in (batched
+/// decoding reproduces sequential decoding bit for bit): the same bits alone and among
+/// many queries of different lengths, whatever the task split of the pool.
+#[test]
+fn attention_of_a_query_is_bit_identical_alone_and_in_a_large_batch() {
+    let mut rng = Rng(29);
+    let s = AttnShape {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 64,
+    };
+    let bt = 16;
+    for ty in [GgmlType::Q8_0, GgmlType::F16] {
+        let (kp, table, _) = paged(&mut rng, ty, 70, s.kv_dim(), bt);
+        let (vp, _, _) = paged(&mut rng, ty, 70, s.kv_dim(), bt);
+        let k = KvView {
+            ty,
+            data: &kp,
+            block_tokens: bt,
+        };
+        let v = KvView {
+            ty,
+            data: &vp,
+            block_tokens: bt,
+        };
+        let n_q = 4 * CpuKernels::new().threads() + 3;
+        let queries: Vec<AttnQuery> = (0..n_q)
+            .map(|i| AttnQuery {
+                block_table: &table,
+                n_ctx: 1 + (i * 13) % 70,
+            })
+            .collect();
+        let q = rng.vec(n_q * s.q_dim(), 1.0);
+        for (name, kern) in backends() {
+            let mut all = vec![0f32; q.len()];
+            kern.attention(&s, &q, &queries, &k, &v, &mut all).unwrap();
+            for (i, qu) in queries.iter().enumerate() {
+                let mut one = vec![0f32; s.q_dim()];
+                let qi = &q[i * s.q_dim()..(i + 1) * s.q_dim()];
+                kern.attention(&s, qi, std::slice::from_ref(qu), &k, &v, &mut one)
+                    .unwrap();
+                assert!(
+                    one.iter()
+                        .zip(&all[i * s.q_dim()..])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{name} {ty}: query {i} differs alone and in a batch of {n_q}"
+                );
             }
         }
     }

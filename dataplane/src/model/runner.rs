@@ -6,15 +6,19 @@ use std::path::Path;
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
+use tandem_kernels::cpu::ThreadPool;
 use tandem_kernels::{GgmlType, Kernels, RopeStyle, RopeTable};
 
 use super::config::LlamaConfig;
 use super::forward::{Buffers, Forward, TokenSlot};
 use super::kv_cache::{KvCacheConfig, PagedKvCache};
 use super::weights::Weights;
-use crate::engine_api::{KvUsage, ModelInfo, ModelRunner, SeqId, StepInput};
+use crate::engine_api::{
+    KvUsage, ModelInfo, ModelRunner, Sampled, SeqId, StepInput, check_samplers,
+};
 use crate::error::{Error, Result};
 use crate::gguf::Gguf;
+use crate::sampling::Sampler;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RunnerConfig {
@@ -111,6 +115,44 @@ impl CpuModelRunner {
 
     pub fn kv_config(&self) -> &KvCacheConfig {
         self.kv.config()
+    }
+
+    /// Validate, reserve, run the forward pass and return the logits of the entries that
+    /// want them (rows in batch order) in the reused logits buffer.
+    fn forward_step(&mut self, batch: &[StepInput]) -> Result<&[f32]> {
+        self.validate(batch)?;
+        for b in batch {
+            let total = self.kv.len(b.seq) + b.tokens.len();
+            self.kv.reserve(b.seq, total)?;
+        }
+        let mut slots = Vec::new();
+        let mut want = Vec::new();
+        for b in batch {
+            let start = self.kv.len(b.seq);
+            for (j, &token) in b.tokens.iter().enumerate() {
+                slots.push(TokenSlot {
+                    seq: b.seq,
+                    pos: start + j,
+                    token,
+                });
+            }
+            if b.want_logits {
+                want.push(slots.len() - 1);
+            }
+        }
+        let fwd = Forward {
+            cfg: &self.cfg,
+            w: &self.weights,
+            rope: &self.rope,
+            k: self.kernels.as_ref(),
+        };
+        let hidden = fwd.run(&slots, &mut self.kv, &want, &mut self.buffers)?;
+        let logits = fwd.logits(&hidden, &mut self.buffers)?;
+        for b in batch {
+            let len = self.kv.len(b.seq) + b.tokens.len();
+            self.kv.set_len(b.seq, len);
+        }
+        Ok(logits)
     }
 
     fn validate(&self, batch: &[StepInput]) -> Result<()> {
@@ -225,39 +267,33 @@ impl ModelRunner for CpuModelRunner {
     }
 
     fn step(&mut self, batch: &[StepInput]) -> Result<Vec<Option<Vec<f32>>>> {
-        self.validate(batch)?;
-        for b in batch {
-            let total = self.kv.len(b.seq) + b.tokens.len();
-            self.kv.reserve(b.seq, total)?;
-        }
-        let mut slots = Vec::new();
-        let mut want = Vec::new();
-        for b in batch {
-            let start = self.kv.len(b.seq);
-            for (j, &token) in b.tokens.iter().enumerate() {
-                slots.push(TokenSlot {
-                    seq: b.seq,
-                    pos: start + j,
-                    token,
-                });
-            }
-            if b.want_logits {
-                want.push(slots.len() - 1);
-            }
-        }
-        let fwd = Forward {
-            cfg: &self.cfg,
-            w: &self.weights,
-            rope: &self.rope,
-            k: self.kernels.as_ref(),
-        };
-        let hidden = fwd.run(&slots, &mut self.kv, &want, &mut self.buffers)?;
-        let logits = fwd.logits(&hidden, &mut self.buffers)?;
-        for b in batch {
-            let len = self.kv.len(b.seq) + b.tokens.len();
-            self.kv.set_len(b.seq, len);
-        }
-        Ok(split_logits(batch, logits, self.cfg.vocab_size))
+        let vocab = self.cfg.vocab_size;
+        let logits = self.forward_step(batch)?;
+        Ok(split_logits(batch, logits, vocab))
+    }
+
+    /// Samples straight from the logits buffer (no per-row copy), rows in parallel on the
+    /// pool: each sampler sees only its own row, so the result does not depend on the
+    /// number of threads and equals `step` + `Sampler::sample`.
+    fn step_sample(
+        &mut self,
+        batch: &[StepInput],
+        samplers: &mut [&mut Sampler],
+    ) -> Result<Vec<Option<Sampled>>> {
+        check_samplers(batch, samplers)?;
+        let vocab = self.cfg.vocab_size;
+        let logits = self.forward_step(batch)?;
+        let mut out: Vec<Option<Sampled>> = vec![None; batch.len()];
+        let mut rows = logits.chunks_exact(vocab);
+        let parts: Vec<_> = batch
+            .iter()
+            .zip(samplers.iter_mut())
+            .zip(out.iter_mut())
+            .filter(|((b, _), _)| b.want_logits)
+            .filter_map(|((_, s), o)| rows.next().map(|row| (&mut **s, row, o)))
+            .collect();
+        ThreadPool::global().for_each(parts, |_, (s, row, o)| *o = Some(s.sample(row)));
+        Ok(out)
     }
 
     fn seq_len(&self, seq: SeqId) -> usize {

@@ -386,9 +386,31 @@ impl<R: ModelRunner> Engine<R> {
         if batch.is_empty() {
             return;
         }
-        // A panicking runner must fail the requests of this batch, not kill the thread
-        // that serves everyone else.
-        let result = match catch_unwind(AssertUnwindSafe(|| self.runner.step(&batch))) {
+        // One sampler per batch entry (owners are distinct running indices). The runner
+        // samples where the logits are (a device runner moves only token ids); by
+        // default it is step + `Sampler::sample` on the host, row by row.
+        let stepped = {
+            let mut slots: Vec<Option<&mut Sampler>> = self
+                .running
+                .iter_mut()
+                .map(|a| Some(&mut a.sampler))
+                .collect();
+            let mut samplers: Vec<&mut Sampler> = owners
+                .iter()
+                .map(|&i| {
+                    slots[i]
+                        .take()
+                        .expect("each running sequence is in a batch once")
+                })
+                .collect();
+            let runner = &mut self.runner;
+            // A panicking runner must fail the requests of this batch, not kill the thread
+            // that serves everyone else.
+            catch_unwind(AssertUnwindSafe(|| {
+                runner.step_sample(&batch, &mut samplers)
+            }))
+        };
+        let result = match stepped {
             Ok(Ok(out)) if out.len() == batch.len() => Ok(out),
             Ok(Ok(out)) => Err(format!(
                 "runner returned {} outputs for {} inputs",
@@ -406,9 +428,10 @@ impl<R: ModelRunner> Engine<R> {
             }
         };
         let mut outcomes = Vec::new();
-        for (&i, logits) in owners.iter().zip(outputs) {
-            let Some(logits) = logits else { continue };
-            let (token, logprob) = self.running[i].sampler.sample(&logits);
+        for (&i, sampled) in owners.iter().zip(outputs) {
+            let Some((token, logprob)) = sampled else {
+                continue;
+            };
             outcomes.push((i, self.on_token(i, token, logprob)));
         }
         self.conclude(outcomes);

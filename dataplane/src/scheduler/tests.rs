@@ -386,3 +386,142 @@ fn export_then_import_continues_exactly_like_one_engine() {
         decode_st.lock().unwrap().used() == 0
     });
 }
+
+/// How [`DeviceSampling`] answers `step_sample`.
+#[derive(Clone, Copy)]
+enum Mode {
+    /// Like a device runner: draw, then pick with the drawn number (`Sampler::sample_drawn`).
+    Drawn,
+    /// Always this token, without logprobs.
+    Constant(u32),
+    /// One output fewer than inputs.
+    Short,
+    /// Panic inside `step_sample`.
+    Panic,
+}
+
+/// The toy runner with its own `step_sample` (as the CUDA runner has), counting calls.
+struct DeviceSampling {
+    inner: FakeRunner,
+    mode: Mode,
+    calls: Arc<AtomicU64>,
+}
+
+impl ModelRunner for DeviceSampling {
+    fn info(&self) -> &crate::engine_api::ModelInfo {
+        self.inner.info()
+    }
+    fn reserve(&mut self, seq: SeqId, total: usize) -> crate::Result<()> {
+        self.inner.reserve(seq, total)
+    }
+    fn step(&mut self, _: &[crate::engine_api::StepInput]) -> crate::Result<Vec<Option<Vec<f32>>>> {
+        panic!("the engine must call step_sample, not step");
+    }
+    fn step_sample(
+        &mut self,
+        batch: &[crate::engine_api::StepInput],
+        samplers: &mut [&mut crate::sampling::Sampler],
+    ) -> crate::Result<Vec<Option<crate::engine_api::Sampled>>> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let logits = self.inner.step(batch)?;
+        let mut out: Vec<_> = logits
+            .into_iter()
+            .zip(samplers.iter_mut())
+            .map(|(l, s)| {
+                let l = l?;
+                Some(match self.mode {
+                    Mode::Constant(t) => (t, None),
+                    Mode::Panic => panic!("device sampler exploded"),
+                    _ => {
+                        let u = s.draw();
+                        s.sample_drawn(&l, u)
+                    }
+                })
+            })
+            .collect();
+        if matches!(self.mode, Mode::Short) {
+            out.pop();
+        }
+        Ok(out)
+    }
+    fn seq_len(&self, seq: SeqId) -> usize {
+        self.inner.seq_len(seq)
+    }
+    fn free(&mut self, seq: SeqId) {
+        self.inner.free(seq)
+    }
+    fn kv_usage(&self) -> crate::engine_api::KvUsage {
+        self.inner.kv_usage()
+    }
+}
+
+fn start_device(mode: Mode) -> (EngineHandle, Arc<Metrics>, Arc<AtomicU64>) {
+    let (inner, _) = fake(1000);
+    let calls = Arc::new(AtomicU64::new(0));
+    let r = DeviceSampling {
+        inner,
+        mode,
+        calls: calls.clone(),
+    };
+    let metrics = Arc::new(Metrics::new());
+    let (h, _join) = spawn(r, letters(), SchedulerConfig::default(), metrics.clone()).unwrap();
+    (h, metrics, calls)
+}
+
+#[test]
+fn the_engine_samples_through_step_sample() {
+    // A runner that samples itself (draw + sample_drawn, as the CUDA runner does) gives
+    // exactly the outputs of host sampling, greedy and seeded, for batched requests.
+    let mut reqs: Vec<GenerateRequest> = prompts().into_iter().map(|p| req(p, 9)).collect();
+    for (i, r) in reqs.iter_mut().enumerate().skip(2) {
+        r.sampling = SamplingParams {
+            temperature: 0.5 + 0.25 * i as f32,
+            top_k: [0, 5, 0, 12][i % 4],
+            top_p: [1.0, 1.0, 0.8, 0.6][i % 4],
+            seed: Some(40 + i as u64),
+            logprobs: (i == 3).then_some(2),
+        };
+    }
+    let run = |h: &EngineHandle| -> Vec<Collected> {
+        let rxs: Vec<_> = reqs.iter().map(|r| h.submit(r.clone()).unwrap()).collect();
+        rxs.into_iter().map(collect).collect()
+    };
+    let (r, _) = fake(1000);
+    let (host, _) = start(r, SchedulerConfig::default());
+    let want = run(&host);
+    let (dev, _, calls) = start_device(Mode::Drawn);
+    let got = run(&dev);
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(w.ids.len(), 9, "request {i}");
+        assert_eq!(w.ids, g.ids, "request {i}");
+        assert_eq!(w.text, g.text, "request {i}");
+        assert_eq!(w.done, g.done, "request {i}");
+    }
+    assert!(
+        calls.load(Ordering::Relaxed) >= 9,
+        "step_sample ran every step"
+    );
+
+    // Whatever the runner samples is what the client gets.
+    let (dev, _, _) = start_device(Mode::Constant(7));
+    let c = collect(dev.submit(req(vec![1, 2, 3], 4)).unwrap());
+    assert_eq!(c.ids, vec![7; 4]);
+    assert_eq!(c.done.unwrap().0, FinishReason::Length);
+}
+
+#[test]
+fn step_sample_failures_fail_the_batch_and_the_engine_keeps_serving() {
+    for (mode, needle) in [
+        (Mode::Short, "runner returned 0 outputs for 1 inputs"),
+        (Mode::Panic, "runner panicked: device sampler exploded"),
+    ] {
+        let (h, metrics, _) = start_device(mode);
+        let bad = collect(h.submit(req(vec![3, 4], 5)).unwrap());
+        let (reason, msg) = bad.failed.unwrap();
+        assert_eq!(reason, FailReason::StepFailed);
+        assert!(msg.contains(needle), "{msg}");
+        assert_eq!(counter(&metrics, "step_failed"), 1);
+        assert!(bad.ids.is_empty());
+        assert!(h.health().heartbeat_age() < Duration::from_secs(1));
+    }
+}

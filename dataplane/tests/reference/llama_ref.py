@@ -63,13 +63,17 @@ class QWeight:
         # Quantize-dequantize the activations per 32-block exactly as the engine quantizes
         # them. Then sum_b d_w*d_a*sum_j(q_w*q_a) (+ m*d_a*sum_j q_a) equals
         # (W_deq @ x_deq) up to f32 rounding, so one BLAS matmul does the integer math.
-        t = x.shape[0]
-        xb = x.reshape(t, -1, QK)
-        da = (np.abs(xb).max(axis=2) / np.float32(127.0)).astype(np.float32)
-        ida = np.where(da != 0, np.float32(1.0) / np.where(da != 0, da, 1), 0).astype(np.float32)
-        qa = np.clip(np.rint(xb * ida[:, :, None]), -127, 127).astype(np.float32)
-        xq = (qa * da[:, :, None]).reshape(t, -1)
-        return (xq @ self.w.T).astype(np.float32)
+        return (q8_round_trip(x) @ self.w.T).astype(np.float32)
+
+
+def q8_round_trip(x):
+    """Quantize-dequantize the last axis per 32-block as the engine quantizes activations
+    (scale amax/127, round half to even)."""
+    xb = x.reshape(*x.shape[:-1], -1, QK)
+    da = (np.abs(xb).max(axis=-1) / np.float32(127.0)).astype(np.float32)
+    ida = np.where(da != 0, np.float32(1.0) / np.where(da != 0, da, 1), 0).astype(np.float32)
+    qa = np.clip(np.rint(xb * ida[..., None]), -127, 127).astype(np.float32)
+    return (qa * da[..., None]).reshape(x.shape).astype(np.float32)
 
 
 class FWeight:

@@ -14,7 +14,7 @@ use crate::api::{
 };
 use crate::error::Result;
 use crate::quant::{BlockQ8, dequantize_row, quantize_act_row, vec_dot_q8};
-use crate::reference::ScalarKernels;
+use crate::reference::{ScalarKernels, check_rmsnorm};
 use crate::rope::RopeTable;
 use crate::types::{GgmlType, QK};
 
@@ -41,6 +41,9 @@ struct Scratch {
 type BatchActs = Option<Interleaved>;
 #[cfg(not(target_arch = "x86_64"))]
 type BatchActs = Option<()>;
+
+/// Rows (tokens) from which norms and rope spread over the pool.
+const PARALLEL_ROWS: usize = 8;
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
@@ -355,9 +358,32 @@ impl Kernels for CpuKernels {
     }
 
     fn rmsnorm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
-        // Linear in the activations and negligible next to the matmuls: the reference
-        // loop (auto-vectorized) is the implementation.
-        ScalarKernels.rmsnorm(x, w, eps, out)
+        check_rmsnorm(x, w, out)?;
+        let dim = w.len();
+        // Each row on its own (the sum of squares vectorized), so a row's result does not
+        // depend on the batch; rows spread over the pool in large batches.
+        let norm_row = |xs: &[f32], os: &mut [f32]| {
+            let ss = self.dot_f32(xs, xs);
+            let scale = 1.0 / (ss / dim as f32 + eps).sqrt();
+            for ((o, v), g) in os.iter_mut().zip(xs).zip(w) {
+                *o = v * scale * g;
+            }
+        };
+        let rows = x.len() / dim;
+        if rows < PARALLEL_ROWS {
+            for (xs, os) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+                norm_row(xs, os);
+            }
+        } else {
+            let per = rows.div_ceil(self.pool.threads());
+            let parts: Vec<_> = x.chunks(per * dim).zip(out.chunks_mut(per * dim)).collect();
+            self.pool.for_each(parts, |_, (xs, os)| {
+                for (xr, or) in xs.chunks_exact(dim).zip(os.chunks_exact_mut(dim)) {
+                    norm_row(xr, or);
+                }
+            });
+        }
+        Ok(())
     }
 
     fn rope(
@@ -368,14 +394,42 @@ impl Kernels for CpuKernels {
         positions: &[usize],
         table: &RopeTable,
     ) -> Result<()> {
-        ScalarKernels.rope(x, n_heads, head_dim, positions, table)
+        let n = positions.len();
+        if n < PARALLEL_ROWS {
+            return ScalarKernels.rope(x, n_heads, head_dim, positions, table);
+        }
+        table.check(x, n_heads, head_dim, positions)?;
+        // Tokens are independent: the reference loop on a slice of tokens per task (the
+        // same bits as one call).
+        let per = n.div_ceil(self.pool.threads());
+        let width = n_heads * head_dim;
+        let mut results: Vec<Result<()>> = Vec::new();
+        results.resize_with(n.div_ceil(per), || Ok(()));
+        let parts: Vec<_> = x
+            .chunks_mut(per * width)
+            .zip(positions.chunks(per))
+            .zip(results.iter_mut())
+            .collect();
+        self.pool.for_each(parts, |_, ((xs, ps), r)| {
+            *r = ScalarKernels.rope(xs, n_heads, head_dim, ps, table);
+        });
+        results.into_iter().collect()
     }
 
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
         match self.simd {
             #[cfg(target_arch = "x86_64")]
             Some(s) if gate.len() == up.len() => {
-                s.silu_mul(gate, up);
+                // Elementwise, so any split gives the same bits; split only when there is
+                // enough work to pay for a dispatch.
+                const PER_TASK: usize = 16 * 1024;
+                if gate.len() < 2 * PER_TASK {
+                    s.silu_mul(gate, up);
+                } else {
+                    let per = gate.len().div_ceil(self.pool.threads()).next_multiple_of(8);
+                    let parts: Vec<_> = gate.chunks_mut(per).zip(up.chunks(per)).collect();
+                    self.pool.for_each(parts, |_, (g, u)| s.silu_mul(g, u));
+                }
                 Ok(())
             }
             _ => ScalarKernels.silu_mul(gate, up),

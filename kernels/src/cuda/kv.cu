@@ -8,8 +8,9 @@
 // dataplane model::kv_transfer): for each layer, K rows of positions 0..n, then V rows.
 
 // Store n_tok tokens' post-rope K and V (f32 [n_tok][kv_dim]) into their slots
-// (slot = block * block_tokens + pos % block_tokens). One thread per 32-value chunk, so
-// Q8_0 blocks are encoded whole; encoding matches quant::quantize_row bit for bit.
+// (slot = block * block_tokens + pos % block_tokens); a negative slot (a padding row of
+// a captured decode graph) stores nothing. One thread per 32-value chunk, so Q8_0 blocks
+// are encoded whole; encoding matches quant::quantize_row bit for bit.
 extern "C" __global__ void tandem_kv_store(const float* k, const float* v, const i64* slots,
                                            int n_tok, int kv_dim, int ty, int row_bytes,
                                            u8* kpool, u8* vpool) {
@@ -20,8 +21,10 @@ extern "C" __global__ void tandem_kv_store(const float* k, const float* v, const
     u64 rest = idx / chunks;
     int which = (int)(rest % 2);
     int t = (int)(rest / 2);
+    i64 slot = slots[t];
+    if (slot < 0) return;
     const float* src = (which ? v : k) + (u64)t * kv_dim + c * QK;
-    u8* row = (which ? vpool : kpool) + (u64)slots[t] * row_bytes;
+    u8* row = (which ? vpool : kpool) + (u64)slot * row_bytes;
     if (ty == T_F32) {
         float* dst = (float*)row + c * QK;
         for (int i = 0; i < QK; i++) dst[i] = src[i];

@@ -211,6 +211,139 @@ pub fn topk(rows: usize, k: usize, vocab: usize) -> Result<Launch> {
     per_row(rows, 1024)
 }
 
+/// Candidates the device sampler materialises per row (`SAMPLE_CAP` in sampling.cu).
+pub const SAMPLE_CAP: usize = TOPK_MAX;
+/// u32 words of one row of sampling parameters.
+pub const SAMPLE_WORDS: usize = 4;
+/// The token `tandem_sample` writes for a row it leaves to the host (see sampling.cu).
+pub const SAMPLE_DEFER: u32 = u32::MAX;
+
+/// Sampling parameters of one row for `tandem_sample`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleRow {
+    /// `1 / temperature` computed exactly as the host sampler does; 0 (or below) is greedy.
+    pub inv_temperature: f32,
+    /// 0: no top-k cut.
+    pub top_k: u32,
+    /// 1 (or above): no nucleus cut.
+    pub top_p: f32,
+    /// The row's random number in `[0, 1)`, drawn on the host from the request's RNG.
+    pub uniform: f32,
+}
+
+impl SampleRow {
+    pub const GREEDY: SampleRow = SampleRow {
+        inv_temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        uniform: 0.0,
+    };
+}
+
+/// The `params` buffer of `tandem_sample`: [`SAMPLE_WORDS`] words per row (f32 bits of
+/// 1/T, top_k, f32 bits of top_p, f32 bits of u).
+pub fn pack_sample_rows(rows: &[SampleRow]) -> Vec<u32> {
+    rows.iter()
+        .flat_map(|r| {
+            [
+                r.inv_temperature.to_bits(),
+                r.top_k,
+                r.top_p.to_bits(),
+                r.uniform.to_bits(),
+            ]
+        })
+        .collect()
+}
+
+/// Sampling: one block of 1024 threads per row.
+pub fn sample(rows: usize) -> Result<Launch> {
+    per_row(rows, 1024)
+}
+
+/// One sequence of a decode step: its new token at `position`, its block table.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeRow<'a> {
+    pub token: u32,
+    pub position: usize,
+    pub table: &'a [u32],
+}
+
+/// Host images of a decode step's fixed device buffers ([`pack_decode`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct DecodePack {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<i32>,
+    /// Pool slot of each new token's KV; -1 for padding rows (the store skips them).
+    pub slots: Vec<i64>,
+    pub n_ctx: Vec<i32>,
+    pub tbl_off: Vec<i32>,
+    /// The rows' block tables (the blocks their contexts use), then one padding entry.
+    pub tables: Vec<u32>,
+}
+
+/// Lay out a decode step of `rows` (one new token each) padded to `bucket` rows, for a
+/// CUDA graph captured at that size: row i's query is query i. Padding rows embed token
+/// 0 at position 0, store nothing (slot -1) and attend to one position of block 0; their
+/// results are computed and discarded, and no kernel mixes rows, so the real rows come
+/// out as without padding. Checks what the kernels cannot: block ids inside the pool of
+/// `n_blocks` blocks of `block_tokens`, tables long enough, and at most `table_cap`
+/// table entries.
+pub fn pack_decode(
+    rows: &[DecodeRow<'_>],
+    bucket: usize,
+    block_tokens: usize,
+    n_blocks: usize,
+    table_cap: usize,
+) -> Result<DecodePack> {
+    let bad = |m: String| shape("cuda decode inputs", m);
+    if rows.is_empty() || rows.len() > bucket || block_tokens == 0 || n_blocks == 0 {
+        return Err(bad(format!(
+            "{} rows in a bucket of {bucket} ({n_blocks} blocks of {block_tokens})",
+            rows.len()
+        )));
+    }
+    let int = |v: usize| i32::try_from(v).map_err(|_| bad(format!("{v} exceeds i32")));
+    let mut p = DecodePack::default();
+    for (i, r) in rows.iter().enumerate() {
+        let n_ctx = r.position + 1;
+        let need = n_ctx.div_ceil(block_tokens);
+        let Some(used) = r.table.get(..need) else {
+            return Err(bad(format!(
+                "row {i}: position {} needs {need} blocks, the table has {}",
+                r.position,
+                r.table.len()
+            )));
+        };
+        if let Some(b) = used.iter().find(|b| **b as usize >= n_blocks) {
+            return Err(bad(format!("row {i}: block {b} outside {n_blocks}")));
+        }
+        let block = used[r.position / block_tokens] as usize;
+        p.tokens.push(r.token);
+        p.positions.push(int(r.position)?);
+        p.slots
+            .push((block * block_tokens + r.position % block_tokens) as i64);
+        p.n_ctx.push(int(n_ctx)?);
+        p.tbl_off.push(int(p.tables.len())?);
+        p.tables.extend_from_slice(used);
+    }
+    let pad = int(p.tables.len())?;
+    p.tables.push(0);
+    if p.tables.len() > table_cap {
+        return Err(bad(format!(
+            "{} table entries, room for {table_cap}",
+            p.tables.len()
+        )));
+    }
+    for _ in rows.len()..bucket {
+        p.tokens.push(0);
+        p.positions.push(0);
+        p.slots.push(-1);
+        p.n_ctx.push(1);
+        p.tbl_off.push(pad);
+    }
+    Ok(p)
+}
+
 /// Bytes of `n` activation blocks (`quant::BlockQ8`, 40 bytes each).
 pub fn q8_bytes(n_values: usize) -> usize {
     n_values / crate::QK * std::mem::size_of::<crate::BlockQ8>()
@@ -311,5 +444,68 @@ mod tests {
         assert_eq!(kv_store(3, 192).unwrap().grid.0, 1, "36 threads");
         assert_eq!(embed(7, 576).unwrap().grid, (7, 3, 1));
         assert_eq!(quantize_q8(18).unwrap().grid.0, 3);
+    }
+
+    #[test]
+    fn sample_rows_pack_as_four_words() {
+        let rows = [
+            SampleRow::GREEDY,
+            SampleRow {
+                inv_temperature: 1.0 / 0.7,
+                top_k: 40,
+                top_p: 0.9,
+                uniform: 0.25,
+            },
+        ];
+        let w = pack_sample_rows(&rows);
+        assert_eq!(w.len(), 2 * SAMPLE_WORDS);
+        assert_eq!(&w[..4], &[0, 0, 1f32.to_bits(), 0]);
+        assert_eq!(f32::from_bits(w[4]), 1.0 / 0.7);
+        assert_eq!(
+            (w[5], f32::from_bits(w[6]), f32::from_bits(w[7])),
+            (40, 0.9, 0.25)
+        );
+        assert_eq!(sample(3).unwrap().grid, (3, 1, 1));
+        assert_eq!(sample(3).unwrap().block.0, 1024);
+        assert!(sample(0).is_err());
+        assert_eq!(SAMPLE_CAP, TOPK_MAX);
+    }
+
+    #[test]
+    fn decode_inputs_pack_rows_then_padding() {
+        let (t0, t1) = ([7u32, 3, 9], [4u32, 5]);
+        let rows = [
+            DecodeRow {
+                token: 11,
+                position: 9, // block 2 of t0 (block size 4), offset 1
+                table: &t0,
+            },
+            DecodeRow {
+                token: 12,
+                position: 3, // only block 0 of t1 is used
+                table: &t1,
+            },
+        ];
+        let p = pack_decode(&rows, 4, 4, 10, 64).unwrap();
+        assert_eq!(p.tokens, vec![11, 12, 0, 0]);
+        assert_eq!(p.positions, vec![9, 3, 0, 0]);
+        assert_eq!(p.slots, vec![9 * 4 + 1, 4 * 4 + 3, -1, -1]);
+        assert_eq!(p.n_ctx, vec![10, 4, 1, 1]);
+        assert_eq!(p.tables, vec![7, 3, 9, 4, 0]);
+        assert_eq!(p.tbl_off, vec![0, 3, 4, 4]);
+        // Exactly full: no padding.
+        let q = pack_decode(&rows, 2, 4, 10, 5).unwrap();
+        assert_eq!((q.tokens.len(), q.tables.len()), (2, 5));
+        // Refused: table too short, block outside the pool, no room, bucket too small.
+        let short = [DecodeRow {
+            token: 1,
+            position: 12,
+            table: &t0,
+        }];
+        assert!(pack_decode(&short, 1, 4, 10, 64).is_err());
+        assert!(pack_decode(&rows, 2, 4, 9, 64).is_err(), "block 9 of 9");
+        assert!(pack_decode(&rows, 2, 4, 10, 4).is_err(), "table room");
+        assert!(pack_decode(&rows, 1, 4, 10, 64).is_err(), "bucket");
+        assert!(pack_decode(&[], 1, 4, 10, 64).is_err(), "empty");
     }
 }

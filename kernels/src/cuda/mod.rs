@@ -11,7 +11,10 @@
 //! - [`CudaDevice`]: context + one stream + loaded kernels, device buffers for weights
 //!   ([`DeviceMatrix`]), rope tables and the paged KV pool ([`DeviceKv`]), and a typed
 //!   wrapper per kernel. A model runner keeps everything resident and only moves token
-//!   ids in and logits (or sampled tokens) out.
+//!   ids in and sampled tokens (or logits) out: `tandem_sample` (sampling.cu) samples
+//!   with temperature / top-k / top-p given one host-drawn uniform number per row.
+//! - [`DecodeInputs`], [`CudaDevice::capture`], [`DeviceGraph`]: fixed-address inputs of
+//!   decode steps and CUDA-graph capture / replay of the work that reads them.
 //! - [`CudaKernels`]: the [`crate::Kernels`] trait on top, copying host slices in and out
 //!   per call. For tests against [`crate::ScalarKernels`] and one-off use, not for serving.
 //!
@@ -33,8 +36,8 @@ pub mod sources;
 
 pub use backend::CudaKernels;
 pub use device::{
-    CudaDevice, DeviceAttnPlan, DeviceInfo, DeviceKv, DeviceMatrix, DeviceRope, HostQuery,
-    parse_device, probe,
+    CudaDevice, DecodeInputs, DeviceAttnPlan, DeviceGraph, DeviceInfo, DeviceKv, DeviceMatrix,
+    DeviceRope, HostQuery, parse_device, probe,
 };
 pub use sources::{Kernel, SOURCES, Source, Target};
 

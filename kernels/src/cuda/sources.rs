@@ -83,13 +83,14 @@ pub enum Kernel {
     AttnPrefill,
     Argmax,
     TopK,
+    Sample,
     KvStore,
     KvGather,
     KvScatter,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 21] = [
+    pub const ALL: [Kernel; 22] = [
         Kernel::Embed,
         Kernel::RmsNorm,
         Kernel::Rope,
@@ -108,6 +109,7 @@ impl Kernel {
         Kernel::AttnPrefill,
         Kernel::Argmax,
         Kernel::TopK,
+        Kernel::Sample,
         Kernel::KvStore,
         Kernel::KvGather,
         Kernel::KvScatter,
@@ -134,6 +136,7 @@ impl Kernel {
             Kernel::AttnPrefill => "tandem_attn_prefill",
             Kernel::Argmax => "tandem_argmax",
             Kernel::TopK => "tandem_topk",
+            Kernel::Sample => "tandem_sample",
             Kernel::KvStore => "tandem_kv_store",
             Kernel::KvGather => "tandem_kv_gather",
             Kernel::KvScatter => "tandem_kv_scatter",
@@ -157,7 +160,7 @@ impl Kernel {
             | Kernel::MmqQ8_0
             | Kernel::MmvFloat => "matmul.cu",
             Kernel::AttnDecode | Kernel::AttnPrefill => "attention.cu",
-            Kernel::Argmax | Kernel::TopK => "sampling.cu",
+            Kernel::Argmax | Kernel::TopK | Kernel::Sample => "sampling.cu",
             Kernel::KvStore | Kernel::KvGather | Kernel::KvScatter => "kv.cu",
         }
     }
