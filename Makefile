@@ -6,7 +6,7 @@ MODEL_DIR := $(CURDIR)/.cache/models
 export TANDEM_PYTHON := $(PYTHON)
 export TANDEM_MODEL_DIR := $(MODEL_DIR)
 
-.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test bench-pd
+.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test bench bench-pd
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests)
 test: lint crd-check pyenv model unit validate-crd cuda-check
@@ -34,6 +34,16 @@ cuda-check: pyenv
 ## SmolLM2 GPU == CPU, throughput
 gpu-test:
 	tests/gpu/run.sh
+
+## bench: CPU engine on SmolLM2 with all cores: prompt tok/s, decode tok/s at C=1/8/32 for
+## short and long contexts (interleaved runs, medians), C=32/C=1, peak RSS; KV as Q8_0 and
+## as F16 (prints figures; see BENCHMARKS.md)
+bench: model
+	cargo build --release -p tandem-dataplane --example bench_engine
+	cat /proc/loadavg
+	./target/release/examples/bench_engine --kv q8_0 --reps 5 $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
+	./target/release/examples/bench_engine --reps 5 $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
+	cat /proc/loadavg
 
 ## bench-pd: PD (prefill + decode on loopback) vs --role both on SmolLM2: TTFT, throughput,
 ## KV transfer over ZeroMQ vs raw TCP (prints figures; see BENCHMARKS.md)

@@ -1,7 +1,7 @@
 //! Engine throughput on the real model.
 //!
 //! cargo run --release -p tandem-dataplane --example bench_engine -- \
-//!     [--kv f16|q8_0|f32] [--reps N] [--only C] [MODEL.gguf]
+//!     [--kv f16|q8_0|f32] [--reps N] [--only C] [--via-step] [MODEL.gguf]
 //!
 //! Prints prompt tok/s for a 512-token prompt, then decode tok/s (greedy, through
 //! `step_sample` as the scheduler calls it) at concurrency 1, 8 and 32, for short
@@ -12,7 +12,8 @@
 //! Shared machines drift in speed by tens of percent over a minute, so the concurrency
 //! levels are measured interleaved (1, 8, 32, 1, 8, 32, ...) `--reps` times (default 3)
 //! and each figure is the median; the C=32 / C=1 ratios compare medians of interleaved
-//! runs. `--only C` measures one level (for profiling).
+//! runs. `--only C` measures one level (for profiling); `--via-step` decodes through
+//! `step` + host sampling of copied logits instead (the path before `step_sample`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -51,7 +52,7 @@ fn prompt(n: usize, salt: u32) -> Vec<u32> {
 
 /// Decode `DECODE_STEPS` tokens for every sequence in `seqs` together, sampling greedily
 /// through `step_sample` as the scheduler does; returns tok/s.
-fn decode(r: &mut CpuModelRunner, seqs: &[SeqId], next: &mut [u32]) -> f64 {
+fn decode(r: &mut CpuModelRunner, seqs: &[SeqId], next: &mut [u32], via_step: bool) -> f64 {
     let greedy = SamplingParams {
         temperature: 0.0,
         ..SamplingParams::default()
@@ -68,6 +69,14 @@ fn decode(r: &mut CpuModelRunner, seqs: &[SeqId], next: &mut [u32]) -> f64 {
                 want_logits: true,
             })
             .collect();
+        if via_step {
+            // The path before `step_sample`: logits copied out per row, sampled after.
+            let out = r.step(&batch).expect("decode step");
+            for ((n, l), s) in next.iter_mut().zip(out).zip(&mut samplers) {
+                *n = s.sample(&l.expect("logits")).0;
+            }
+            continue;
+        }
         let mut refs: Vec<&mut Sampler> = samplers.iter_mut().collect();
         let out = r.step_sample(&batch, &mut refs).expect("decode step");
         for (n, sampled) in next.iter_mut().zip(out) {
@@ -90,7 +99,7 @@ struct LongStart {
 
 /// Set up `c` sequences (short prompts, or `long`'s imported KV), decode them together,
 /// free them; returns aggregate tok/s.
-fn run_level(r: &mut CpuModelRunner, c: usize, long: Option<&LongStart>) -> f64 {
+fn run_level(r: &mut CpuModelRunner, c: usize, long: Option<&LongStart>, via_step: bool) -> f64 {
     let seqs: Vec<SeqId> = (0..c as u64).map(|i| SeqId(2000 + i)).collect();
     let mut next = match long {
         Some(l) => {
@@ -114,7 +123,7 @@ fn run_level(r: &mut CpuModelRunner, c: usize, long: Option<&LongStart>) -> f64 
             out.iter().map(|l| argmax(l.as_ref().unwrap())).collect()
         }
     };
-    let tps = decode(r, &seqs, &mut next);
+    let tps = decode(r, &seqs, &mut next, via_step);
     for s in &seqs {
         r.free(*s);
     }
@@ -125,6 +134,7 @@ fn main() {
     let mut kv = GgmlType::F16;
     let mut only: Option<usize> = None;
     let mut reps = 3usize;
+    let mut via_step = false;
     let mut model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let mut args = std::env::args().skip(1);
@@ -138,6 +148,7 @@ fn main() {
                 }
             }
             "--only" => only = args.next().and_then(|c| c.parse().ok()),
+            "--via-step" => via_step = true,
             "--reps" => reps = args.next().and_then(|c| c.parse().ok()).unwrap_or(3).max(1),
             other => model = PathBuf::from(other),
         }
@@ -146,10 +157,15 @@ fn main() {
     let rc = RunnerConfig::with_kv_tokens(34 * CONTEXT, kv);
     let mut r = CpuModelRunner::load(&model, rc).expect("load model (run `make model`)");
     println!(
-        "model {} | kernels {} | threads {} | KV {kv} | {reps} interleaved reps, medians",
+        "model {} | kernels {} | threads {} | KV {kv} | {reps} interleaved reps, medians{}",
         model.display(),
         r.kernels_name(),
-        tandem_kernels::CpuKernels::new().threads()
+        tandem_kernels::CpuKernels::new().threads(),
+        if via_step {
+            " | via step + copied logits"
+        } else {
+            ""
+        }
     );
 
     // Warm up: page in the weights and the thread pool.
@@ -202,7 +218,7 @@ fn main() {
         let mut tps: Vec<Vec<f64>> = vec![Vec::new(); levels.len()];
         for _ in 0..reps {
             for (i, &c) in levels.iter().enumerate() {
-                tps[i].push(run_level(&mut r, c, start));
+                tps[i].push(run_level(&mut r, c, start, via_step));
             }
         }
         let mut medians = Vec::new();
