@@ -420,10 +420,11 @@ impl Kernels for CpuKernels {
         match self.simd {
             #[cfg(target_arch = "x86_64")]
             Some(s) if gate.len() == up.len() => {
-                // Elementwise, so any split gives the same bits; split only when there is
-                // enough work to pay for a dispatch.
-                const PER_TASK: usize = 16 * 1024;
-                if gate.len() < 2 * PER_TASK {
+                // Elementwise: chunks cut at multiples of 8 send every element through the
+                // same vector or tail path as one call would (the same bits). Split only
+                // when there is enough work to pay for a dispatch.
+                const MIN_SPLIT: usize = 32 * 1024;
+                if gate.len() < MIN_SPLIT {
                     s.silu_mul(gate, up);
                 } else {
                     let per = gate.len().div_ceil(self.pool.threads()).next_multiple_of(8);
