@@ -72,10 +72,7 @@ impl Kernels for ScalarKernels {
         check_rmsnorm(x, w, out)?;
         for (xs, os) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
             let ss: f32 = xs.iter().map(|v| v * v).sum();
-            let scale = 1.0 / (ss / w.len() as f32 + eps).sqrt();
-            for ((o, v), g) in os.iter_mut().zip(xs).zip(w) {
-                *o = v * scale * g;
-            }
+            rmsnorm_apply(xs, w, ss, eps, os);
         }
         Ok(())
     }
@@ -157,6 +154,15 @@ impl Kernels for ScalarKernels {
             }
         }
         Ok(())
+    }
+}
+
+/// The rest of RMSNorm for one row once its sum of squares `ss` is known (backends differ
+/// only in how they sum): `out = x / sqrt(ss / n + eps) · w`.
+pub(crate) fn rmsnorm_apply(xs: &[f32], w: &[f32], ss: f32, eps: f32, out: &mut [f32]) {
+    let scale = 1.0 / (ss / w.len() as f32 + eps).sqrt();
+    for ((o, v), g) in out.iter_mut().zip(xs).zip(w) {
+        *o = v * scale * g;
     }
 }
 

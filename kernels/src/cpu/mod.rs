@@ -14,7 +14,7 @@ use crate::api::{
 };
 use crate::error::Result;
 use crate::quant::{BlockQ8, dequantize_row, quantize_act_row, vec_dot_q8};
-use crate::reference::{ScalarKernels, check_rmsnorm};
+use crate::reference::{ScalarKernels, check_rmsnorm, rmsnorm_apply};
 use crate::rope::RopeTable;
 use crate::types::{GgmlType, QK};
 
@@ -362,13 +362,8 @@ impl Kernels for CpuKernels {
         let dim = w.len();
         // Each row on its own (the sum of squares vectorized), so a row's result does not
         // depend on the batch; rows spread over the pool in large batches.
-        let norm_row = |xs: &[f32], os: &mut [f32]| {
-            let ss = self.dot_f32(xs, xs);
-            let scale = 1.0 / (ss / dim as f32 + eps).sqrt();
-            for ((o, v), g) in os.iter_mut().zip(xs).zip(w) {
-                *o = v * scale * g;
-            }
-        };
+        let norm_row =
+            |xs: &[f32], os: &mut [f32]| rmsnorm_apply(xs, w, self.dot_f32(xs, xs), eps, os);
         let rows = x.len() / dim;
         if rows < PARALLEL_ROWS {
             for (xs, os) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
