@@ -60,7 +60,7 @@ pub fn build(cfg: &Config) -> Result<App> {
         .unwrap_or(false);
     let rc = RunnerConfig {
         kv: KvCacheConfig {
-            n_blocks: cfg.kv_blocks.max(1),
+            n_blocks: cfg.kv_blocks,
             dtype: cfg.kv_dtype.ggml(),
             ..KvCacheConfig::default()
         },
@@ -102,7 +102,7 @@ pub fn build(cfg: &Config) -> Result<App> {
         add_bos,
         model_name: cfg.served_name(),
         context_length: info.context_length,
-        default_max_tokens: cfg.default_max_tokens.max(1),
+        default_max_tokens: cfg.default_max_tokens,
         metrics,
         max_heartbeat_age: cfg.engine_stall(),
         header_read_timeout: cfg.http_header_timeout(),

@@ -77,42 +77,42 @@ pub struct Config {
     #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
     pub port: u16,
     /// KV cache blocks (16 tokens each).
-    #[arg(long, env = "TANDEM_KV_BLOCKS", default_value_t = 2048)]
+    #[arg(long, env = "TANDEM_KV_BLOCKS", default_value_t = 2048, value_parser = at_least_one)]
     pub kv_blocks: usize,
     /// KV cache storage type. The prefill and decode roles of one group must use the same
     /// (their handshake checks it).
     #[arg(long, env = "TANDEM_KV_DTYPE", value_enum, default_value = "f16")]
     pub kv_dtype: KvDtype,
     /// Most prompt tokens prefilled per engine step.
-    #[arg(long, env = "TANDEM_CHUNK_SIZE", default_value_t = 256)]
+    #[arg(long, env = "TANDEM_CHUNK_SIZE", default_value_t = 256, value_parser = at_least_one)]
     pub chunk_size: usize,
     /// Most sequences in the running batch.
-    #[arg(long, env = "TANDEM_MAX_BATCH", default_value_t = 16)]
+    #[arg(long, env = "TANDEM_MAX_BATCH", default_value_t = 16, value_parser = at_least_one)]
     pub max_batch: usize,
     /// Most requests waiting for admission; more get 503.
-    #[arg(long, env = "TANDEM_MAX_WAITING", default_value_t = 256)]
+    #[arg(long, env = "TANDEM_MAX_WAITING", default_value_t = 256, value_parser = at_least_one)]
     pub max_waiting: usize,
     /// Seconds a request may wait for KV memory before failing with 503.
-    #[arg(long, env = "TANDEM_QUEUE_TIMEOUT_SECS", default_value_t = 30.0)]
-    pub queue_timeout_secs: f64,
+    #[arg(long, env = "TANDEM_QUEUE_TIMEOUT_SECONDS", default_value_t = 30.0, value_parser = positive_seconds)]
+    pub queue_timeout_seconds: f64,
     /// max_tokens for requests that set none.
-    #[arg(long, env = "TANDEM_DEFAULT_MAX_TOKENS", default_value_t = 256)]
+    #[arg(long, env = "TANDEM_DEFAULT_MAX_TOKENS", default_value_t = 256, value_parser = at_least_one)]
     pub default_max_tokens: usize,
     /// `/ready` fails when the engine loop is stuck this long.
-    #[arg(long, env = "TANDEM_ENGINE_STALL_SECS", default_value_t = 10.0)]
-    pub engine_stall_secs: f64,
+    #[arg(long, env = "TANDEM_ENGINE_STALL_SECONDS", default_value_t = 10.0, value_parser = positive_seconds)]
+    pub engine_stall_seconds: f64,
     /// On SIGTERM, how long in-flight requests may run before the process exits anyway.
-    #[arg(long, env = "TANDEM_DRAIN_SECS", default_value_t = 30.0)]
-    pub drain_secs: f64,
+    #[arg(long, env = "TANDEM_DRAIN_SECONDS", default_value_t = 30.0, value_parser = non_negative_seconds)]
+    pub drain_seconds: f64,
     /// Seconds a client may take to send a request head (the line and headers), and that an
     /// idle keep-alive connection stays open; then the connection is closed and counted as
     /// `tandem_http_connection_errors_total{kind="timeout"}`.
-    #[arg(long, env = "TANDEM_HTTP_HEADER_TIMEOUT_SECS", default_value_t = 10.0)]
-    pub http_header_timeout_secs: f64,
+    #[arg(long, env = "TANDEM_HTTP_HEADER_TIMEOUT_SECONDS", default_value_t = 10.0, value_parser = positive_seconds)]
+    pub http_header_timeout_seconds: f64,
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
     /// Prefill: TCP port of the KV transfer ROUTER socket.
-    #[arg(long, env = "TANDEM_KV_PORT", default_value_t = 5557)]
+    #[arg(long, env = "TANDEM_KV_PORT", default_value_t = 5600)]
     pub kv_port: u16,
     /// Decode: prefill KV endpoints (`host:port`), comma separated.
     #[arg(long = "prefill", env = "TANDEM_PREFILL_PEERS", value_delimiter = ',')]
@@ -129,16 +129,16 @@ pub struct Config {
     )]
     pub group_key: String,
     /// Decode: seconds between PINGs to each prefill.
-    #[arg(long, env = "TANDEM_PROBE_PERIOD_SECONDS", default_value_t = 2.0)]
+    #[arg(long, env = "TANDEM_PROBE_PERIOD_SECONDS", default_value_t = 2.0, value_parser = positive_seconds)]
     pub probe_period_seconds: f64,
     /// Decode: missed probe periods before `/ready` fails.
-    #[arg(long, env = "TANDEM_FAILURE_THRESHOLD", default_value_t = 3)]
+    #[arg(long, env = "TANDEM_FAILURE_THRESHOLD", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub failure_threshold: u32,
     /// No-progress limit of handshakes, rooms waiting for a session, and abort acks.
-    #[arg(long, env = "TANDEM_BOOTSTRAP_TIMEOUT_SECONDS", default_value_t = 10.0)]
+    #[arg(long, env = "TANDEM_BOOTSTRAP_TIMEOUT_SECONDS", default_value_t = 10.0, value_parser = positive_seconds)]
     pub bootstrap_timeout_seconds: f64,
     /// No-progress limit of rooms waiting for or receiving KV.
-    #[arg(long, env = "TANDEM_KV_TIMEOUT_SECONDS", default_value_t = 30.0)]
+    #[arg(long, env = "TANDEM_KV_TIMEOUT_SECONDS", default_value_t = 30.0, value_parser = positive_seconds)]
     pub kv_timeout_seconds: f64,
 }
 
@@ -169,10 +169,10 @@ impl PdTimings {
 impl Config {
     pub fn scheduler(&self) -> SchedulerConfig {
         SchedulerConfig {
-            max_batch: self.max_batch.max(1),
-            chunk_size: self.chunk_size.max(1),
-            max_waiting: self.max_waiting.max(1),
-            queue_timeout: secs(self.queue_timeout_secs),
+            max_batch: self.max_batch,
+            chunk_size: self.chunk_size,
+            max_waiting: self.max_waiting,
+            queue_timeout: secs(self.queue_timeout_seconds),
             ..SchedulerConfig::default()
         }
     }
@@ -189,31 +189,76 @@ impl Config {
     }
 
     pub fn http_header_timeout(&self) -> Duration {
-        secs(self.http_header_timeout_secs)
+        secs(self.http_header_timeout_seconds)
     }
 
     pub fn drain(&self) -> Duration {
-        secs(self.drain_secs)
+        secs(self.drain_seconds)
     }
 
     pub fn engine_stall(&self) -> Duration {
-        secs(self.engine_stall_secs)
+        secs(self.engine_stall_seconds)
     }
 
     pub fn pd_timings(&self) -> PdTimings {
-        let floor = |d: Duration| d.max(Duration::from_millis(50));
         PdTimings {
-            probe_period: floor(secs(self.probe_period_seconds)),
-            failure_threshold: self.failure_threshold.max(1),
-            bootstrap_timeout: floor(secs(self.bootstrap_timeout_seconds)),
-            kv_timeout: floor(secs(self.kv_timeout_seconds)),
+            probe_period: secs(self.probe_period_seconds),
+            failure_threshold: self.failure_threshold,
+            bootstrap_timeout: secs(self.bootstrap_timeout_seconds),
+            kv_timeout: secs(self.kv_timeout_seconds),
         }
     }
 }
 
-/// Negative or NaN durations from the command line become zero.
+/// Seconds the parsers below accepted (finite, not negative, not absurdly large).
 fn secs(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)
+}
+
+/// Longest duration a flag may name: a year, so that `Instant + d` never overflows.
+const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
+
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !v.is_finite() || v > MAX_SECONDS {
+        return Err(format!(
+            "{s:?} seconds is out of range (at most {MAX_SECONDS})"
+        ));
+    }
+    Ok(v)
+}
+
+/// A duration in seconds that must be greater than zero (timeouts, periods).
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    let v = parse_seconds(s)?;
+    if v <= 0.0 {
+        return Err(format!("{s:?}: must be greater than 0 seconds"));
+    }
+    Ok(v)
+}
+
+/// A duration in seconds that may be zero (a drain deadline of 0 exits at once).
+fn non_negative_seconds(s: &str) -> Result<f64, String> {
+    let v = parse_seconds(s)?;
+    if v < 0.0 {
+        return Err(format!("{s:?}: must not be negative"));
+    }
+    Ok(v)
+}
+
+/// A count that must be at least 1 (batch sizes, queue lengths, cache blocks).
+fn at_least_one(s: &str) -> Result<usize, String> {
+    let v: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a whole number"))?;
+    if v == 0 {
+        return Err(format!("{s:?}: must be at least 1"));
+    }
+    Ok(v)
 }
 
 #[cfg(test)]
@@ -277,6 +322,45 @@ mod tests {
             ..t
         };
         assert_eq!(short.session_expiry(), Duration::from_secs(4));
+    }
+
+    #[test]
+    fn bad_numbers_are_rejected_by_name_not_clamped() {
+        let err = |flag: &str, value: &str| {
+            // `--flag=value`, so that a negative number is not taken for a flag.
+            Config::try_parse_from(["x", "--model", "m.gguf", &format!("{flag}={value}")])
+                .expect_err(&format!("{flag} {value} must be refused"))
+                .to_string()
+        };
+        for (flag, value) in [
+            ("--max-batch", "0"),
+            ("--kv-blocks", "0"),
+            ("--chunk-size", "0"),
+            ("--max-waiting", "0"),
+            ("--default-max-tokens", "0"),
+            ("--failure-threshold", "0"),
+            ("--probe-period-seconds", "0"),
+            ("--kv-timeout-seconds", "-1"),
+            ("--bootstrap-timeout-seconds", "NaN"),
+            ("--queue-timeout-seconds", "inf"),
+            ("--engine-stall-seconds", "soon"),
+            ("--drain-seconds", "-0.5"),
+        ] {
+            let e = err(flag, value);
+            assert!(e.contains(flag), "the error names {flag}: {e}");
+        }
+        let c = Config::try_parse_from([
+            "x",
+            "--model",
+            "m.gguf",
+            "--drain-seconds",
+            "0",
+            "--probe-period-seconds",
+            "0.25",
+        ])
+        .unwrap();
+        assert_eq!(c.drain(), Duration::ZERO);
+        assert_eq!(c.pd_timings().probe_period, Duration::from_millis(250));
     }
 
     #[test]

@@ -17,7 +17,11 @@ fn main() -> anyhow::Result<()> {
         .thread_name("tandem-http")
         .build()
         .context("starting the tokio runtime")?;
-    rt.block_on(run(cfg))
+    let result = rt.block_on(run(cfg));
+    // Threads that outlive the drain deadline (a busy engine, the KV loops) are abandoned
+    // on purpose: the process exits now rather than when they finish.
+    rt.shutdown_timeout(Duration::from_millis(500));
+    result
 }
 
 async fn run(cfg: Config) -> anyhow::Result<()> {
@@ -36,9 +40,17 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let left = deadline
         .saturating_sub(started.elapsed())
         .max(Duration::from_secs(1));
-    let joined = tokio::task::spawn_blocking(move || app.engine_thread.join());
-    match tokio::time::timeout(left, joined).await {
-        Ok(Ok(Ok(()))) => tracing::info!("shutdown complete"),
+    // A plain thread, not `spawn_blocking`: the runtime waits for its blocking tasks when
+    // it is dropped, so a join that never ends would keep the process alive forever.
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("tandem-join".into())
+        .spawn(move || {
+            let _ = done_tx.send(app.engine_thread.join().is_ok());
+        })
+        .context("starting the shutdown thread")?;
+    match tokio::time::timeout(left, done_rx).await {
+        Ok(Ok(true)) => tracing::info!("shutdown complete"),
         Ok(_) => tracing::error!("engine thread panicked during shutdown"),
         Err(_) => tracing::warn!("engine thread still busy at the drain deadline; exiting"),
     }

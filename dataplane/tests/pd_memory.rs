@@ -90,7 +90,7 @@ fn waiting_for_decode_kv_times_out_without_a_room() {
     let env = pd_env(&[]);
     let kv = free_port();
     let prefill = start_prefill(kv, &env);
-    let decode = small_decode(kv, "8", &["--queue-timeout-secs", "0.3"], &env);
+    let decode = small_decode(kv, "8", &["--queue-timeout-seconds", "0.3"], &env);
     let a = send(
         decode.addr,
         "POST",

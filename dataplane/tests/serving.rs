@@ -203,7 +203,7 @@ fn client_disconnect_mid_stream_frees_kv_blocks() {
 
 #[test]
 fn sigterm_finishes_in_flight_stream_and_exits_zero() {
-    let mut s = Server::start(&["--drain-secs", "60"]);
+    let mut s = Server::start(&["--drain-seconds", "60"]);
     let body = chat("Tell me about the moon.", 24, true).to_string();
     let mut r = BufReader::new(send(s.addr, "POST", "/v1/chat/completions", Some(&body)));
     let (status, _) = read_head(&mut r);

@@ -22,17 +22,18 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::runtime::controller::{Action as Requeue, Controller};
-use kube::runtime::events::{Event, EventType as KubeEventType, Recorder, Reporter};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 use tracing::{debug, info, instrument, warn};
 
-use crate::crd::{PDDeployment, PDDeploymentStatus, condition, labels};
+use crate::crd::{PDDeployment, PDDeploymentStatus, annotations, conditions, labels};
 use crate::metrics::Metrics;
+use crate::names;
 use crate::planner::{
-    self, Action, EventType, Observed, ObservedPod, PlanInput, PlannedEvent, PodPhase, Role,
+    self, EventKind, Observed, ObservedPod, PlanInput, PlannedAction, PlannedEvent, PodPhase, Role,
 };
 use crate::resources::{self, BuildError};
 
@@ -151,17 +152,17 @@ pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
         Some("Failed") => PodPhase::Failed,
         Some(_) => PodPhase::Unknown,
     };
-    let conditions = status
+    let pod_conditions = status
         .and_then(|s| s.conditions.as_deref())
         .unwrap_or_default();
-    let cond = |t: &str| conditions.iter().find(|c| c.type_ == t);
+    let cond = |t: &str| pod_conditions.iter().find(|c| c.type_ == t);
     let containers_ready = cond("ContainersReady");
     let ready = containers_ready.is_some_and(|c| c.status == "True");
     let not_ready_since = match containers_ready {
         Some(c) if !ready => c.last_transition_time.as_ref().map(|t| t.0),
         _ => None,
     };
-    let group_ready_gate = cond(labels::GROUP_READY_GATE).is_some_and(|c| c.status == "True");
+    let group_ready_gate = cond(conditions::GROUP_READY).is_some_and(|c| c.status == "True");
     Ok(ObservedPod {
         name,
         group,
@@ -178,13 +179,13 @@ pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
 
 /// The `tandem.dev/restart-requested-at` annotation: absent, a time, or unparsable.
 pub fn restart_requested_at(pdd: &PDDeployment) -> Result<Option<Timestamp>, String> {
-    match pdd.annotations().get(labels::RESTART_REQUESTED_AT) {
+    match pdd.annotations().get(annotations::RESTART_REQUESTED_AT) {
         None => Ok(None),
         Some(v) if v.trim().is_empty() => Ok(None),
         Some(v) => v.trim().parse::<Timestamp>().map(Some).map_err(|e| {
             format!(
                 "{}: {v:?} is not an RFC 3339 time: {e}",
-                labels::RESTART_REQUESTED_AT
+                annotations::RESTART_REQUESTED_AT
             )
         }),
     }
@@ -233,7 +234,7 @@ async fn observe(
         if sname == name {
             observed.client_service = true;
         } else if let Some(g) = group_of(s.labels())
-            && sname == planner::group_service_name(name, g)
+            && sname == names::group_service_name(name, g)
         {
             observed.group_services.insert(g);
         }
@@ -245,7 +246,7 @@ async fn observe(
     for p in &policies.items {
         if let Some(g) = group_of(p.labels())
             && fresh(p.labels())
-            && p.name_any() == planner::network_policy_name(name, g)
+            && p.name_any() == names::network_policy_name(name, g)
         {
             observed.network_policies.insert(g);
         }
@@ -256,7 +257,7 @@ async fn observe(
         .map_err(Error::kube("listing secrets"))?;
     for s in &secrets.items {
         if let Some(g) = group_of(s.labels())
-            && s.name_any() == planner::group_secret_name(name, g)
+            && s.name_any() == names::group_secret_name(name, g)
         {
             observed.group_secrets.insert(g);
         }
@@ -266,7 +267,7 @@ async fn observe(
 
 /// Reconcile one `PDDeployment`.
 #[instrument(skip_all, fields(deployment = %trigger.name_any(), namespace = trigger.namespace().unwrap_or_default()))]
-pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<Requeue, Error> {
+pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started();
     let ns = trigger.namespace().ok_or(Error::NoNamespace)?;
     let name = trigger.name_any();
@@ -276,11 +277,11 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
         .await
         .map_err(Error::kube("reading the PDDeployment"))?
     else {
-        return Ok(Requeue::await_change());
+        return Ok(Action::await_change());
     };
     if pdd.metadata.deletion_timestamp.is_some() {
         // Owner references let the garbage collector remove the children.
-        return Ok(Requeue::await_change());
+        return Ok(Action::await_change());
     }
     let observed = observe(&ctx, &pdd, &ns, &name).await?;
     let now = (ctx.clock)();
@@ -319,7 +320,7 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
             &recorder,
             &pdd,
             &PlannedEvent {
-                type_: EventType::Warning,
+                type_: EventKind::Warning,
                 reason: "InvalidRestartRequest".into(),
                 group: -1,
                 message: why.clone(),
@@ -340,7 +341,7 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
     ctx.metrics.plan_applied(&plan);
     result?;
     ctx.failures().remove(&key(&pdd));
-    Ok(Requeue::requeue(
+    Ok(Action::requeue(
         plan.requeue_after.unwrap_or(DEFAULT_REQUEUE),
     ))
 }
@@ -357,7 +358,7 @@ fn degrade(
     let Some(c) = status
         .conditions
         .iter_mut()
-        .find(|c| c.type_ == condition::DEGRADED)
+        .find(|c| c.type_ == conditions::DEGRADED)
     else {
         return;
     };
@@ -366,12 +367,16 @@ fn degrade(
         return;
     }
     let since = prev
-        .and_then(|p| p.conditions.iter().find(|c| c.type_ == condition::DEGRADED))
+        .and_then(|p| {
+            p.conditions
+                .iter()
+                .find(|c| c.type_ == conditions::DEGRADED)
+        })
         .filter(|c| c.status == "True")
         .map(|c| c.last_transition_time.clone())
         .unwrap_or(Time(now));
     *c = Condition {
-        type_: condition::DEGRADED.into(),
+        type_: conditions::DEGRADED.into(),
         status: "True".into(),
         reason: reason.into(),
         message: message.into(),
@@ -432,26 +437,26 @@ async fn apply(
     ctx: &Context,
     pdd: &PDDeployment,
     recorder: &Recorder,
-    action: &Action,
+    action: &PlannedAction,
 ) -> Result<(), Error> {
     let ns = pdd.namespace().ok_or(Error::NoNamespace)?;
     let name = pdd.name_any();
     let client = ctx.client.clone();
     match action {
-        Action::ApplyClientService => {
+        PlannedAction::ApplyClientService => {
             let api = Api::<Service>::namespaced(client, &ns);
             server_side_apply(&api, &resources::client_service(pdd)?, "service").await
         }
-        Action::ApplyGroupService { group } => {
+        PlannedAction::ApplyGroupService { group } => {
             let api = Api::<Service>::namespaced(client, &ns);
             server_side_apply(&api, &resources::group_service(pdd, *group)?, "service").await
         }
-        Action::ApplyNetworkPolicy { group } => {
+        PlannedAction::ApplyNetworkPolicy { group } => {
             let api = Api::<NetworkPolicy>::namespaced(client, &ns);
             let np = resources::network_policy(pdd, *group)?;
             server_side_apply(&api, &np, "network policy").await
         }
-        Action::CreateGroupSecret { group } => {
+        PlannedAction::CreateGroupSecret { group } => {
             let api = Api::<Secret>::namespaced(client, &ns);
             let secret = resources::group_secret(pdd, *group, &resources::random_group_key())?;
             match api.create(&PostParams::default(), &secret).await {
@@ -460,16 +465,16 @@ async fn apply(
                 Err(e) if is_status(&e, 409) => Ok(()),
                 Err(e) => Err(Error::kube(format!(
                     "creating secret {}",
-                    planner::group_secret_name(&name, *group)
+                    names::group_secret_name(&name, *group)
                 ))(e)),
             }
         }
-        Action::CreatePod(intent) => {
+        PlannedAction::CreatePod(intent) => {
             info!(pod = %intent.name, group = intent.group, role = intent.role.as_str(), incarnation = intent.incarnation, "creating pod");
             let api = Api::<Pod>::namespaced(client, &ns);
             server_side_apply(&api, &resources::pod(pdd, intent)?, "pod").await
         }
-        Action::DeletePod {
+        PlannedAction::DeletePod {
             name: pod,
             group,
             role,
@@ -478,7 +483,7 @@ async fn apply(
             info!(pod, group, role = role.as_str(), ?reason, "deleting pod");
             delete(&Api::<Pod>::namespaced(client, &ns), pod, "pod").await
         }
-        Action::SetGroupReadyGate { pod, ready } => {
+        PlannedAction::SetGroupReadyGate { pod, ready } => {
             set_gate(
                 &Api::<Pod>::namespaced(client, &ns),
                 pod,
@@ -487,28 +492,28 @@ async fn apply(
             )
             .await
         }
-        Action::DeleteGroupResources { group } => {
+        PlannedAction::DeleteGroupResources { group } => {
             let g = *group;
             delete(
                 &Api::<Service>::namespaced(client.clone(), &ns),
-                &planner::group_service_name(&name, g),
+                &names::group_service_name(&name, g),
                 "service",
             )
             .await?;
             delete(
                 &Api::<NetworkPolicy>::namespaced(client.clone(), &ns),
-                &planner::network_policy_name(&name, g),
+                &names::network_policy_name(&name, g),
                 "network policy",
             )
             .await?;
             delete(
                 &Api::<Secret>::namespaced(client, &ns),
-                &planner::group_secret_name(&name, g),
+                &names::group_secret_name(&name, g),
                 "secret",
             )
             .await
         }
-        Action::Event(ev) => {
+        PlannedAction::Event(ev) => {
             publish(recorder, pdd, ev).await;
             Ok(())
         }
@@ -535,7 +540,7 @@ async fn set_gate(api: &Api<Pod>, pod: &str, ready: bool, now: Timestamp) -> Res
     let patch = json!({
         "status": {
             "conditions": [{
-                "type": labels::GROUP_READY_GATE,
+                "type": conditions::GROUP_READY,
                 "status": status,
                 "reason": reason,
                 "message": message,
@@ -586,14 +591,14 @@ async fn publish(recorder: &Recorder, pdd: &PDDeployment, ev: &PlannedEvent) {
     let secondary = (ev.group >= 0).then(|| ObjectReference {
         api_version: Some("v1".into()),
         kind: Some("Service".into()),
-        name: Some(planner::group_service_name(&pdd.name_any(), ev.group)),
+        name: Some(names::group_service_name(&pdd.name_any(), ev.group)),
         namespace: pdd.namespace(),
         ..Default::default()
     });
     let event = Event {
         type_: match ev.type_ {
-            EventType::Normal => KubeEventType::Normal,
-            EventType::Warning => KubeEventType::Warning,
+            EventKind::Normal => EventType::Normal,
+            EventKind::Warning => EventType::Warning,
         },
         reason: ev.reason.clone(),
         note: Some(note),
@@ -606,7 +611,7 @@ async fn publish(recorder: &Recorder, pdd: &PDDeployment, ev: &PlannedEvent) {
 }
 
 /// Log, count and requeue with a per-object exponential backoff.
-pub fn error_policy(pdd: Arc<PDDeployment>, error: &Error, ctx: Arc<Context>) -> Requeue {
+pub fn error_policy(pdd: Arc<PDDeployment>, error: &Error, ctx: Arc<Context>) -> Action {
     let reason = error.metric_label();
     ctx.metrics.reconcile_failed(reason);
     let n = {
@@ -624,7 +629,7 @@ pub fn error_policy(pdd: Arc<PDDeployment>, error: &Error, ctx: Arc<Context>) ->
         retry_in_s = delay.as_secs(),
         "reconcile failed: {error}"
     );
-    Requeue::requeue(delay)
+    Action::requeue(delay)
 }
 
 /// Retry delay after `n` consecutive failures: 5 s × 2^(n-1), at most 5 min.

@@ -513,15 +513,17 @@ pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
     ))
 }
 
-/// Condition types on the PDDeployment.
-pub mod condition {
+/// Condition types: those of the PDDeployment's status, and the decode pods' gate.
+pub mod conditions {
     pub const AVAILABLE: &str = "Available";
     pub const PROGRESSING: &str = "Progressing";
     pub const DEGRADED: &str = "Degraded";
     pub const BOOTSTRAP_HEALTHY: &str = "BootstrapHealthy";
+    /// Pod readiness gate the operator sets True only while the whole group is Ready.
+    pub const GROUP_READY: &str = "tandem.dev/group-ready";
 }
 
-/// Labels, annotations and condition types the operator puts on what it owns.
+/// Labels the operator puts on what it owns.
 pub mod labels {
     pub const DEPLOYMENT: &str = "tandem.dev/deployment";
     pub const GROUP: &str = "tandem.dev/group";
@@ -532,11 +534,14 @@ pub mod labels {
     /// On Services and NetworkPolicies: the `<httpPort>-<kvPort>` they were built for,
     /// so a port change in the spec re-applies them.
     pub const PORTS: &str = "tandem.dev/ports";
+    /// Value of [`MANAGED_BY`], and the field manager of every server-side apply.
     pub const MANAGER: &str = "tandem-operator";
-    /// Pod readiness gate the operator sets True only while the whole group is Ready.
-    pub const GROUP_READY_GATE: &str = "tandem.dev/group-ready";
-    /// Annotation on the PDDeployment: an RFC 3339 time; a group whose last co-restart is
-    /// older than it is co-restarted (one group at a time, like a rollout).
+}
+
+/// Annotations users put on a PDDeployment.
+pub mod annotations {
+    /// An RFC 3339 time; a group whose last co-restart is older than it is co-restarted
+    /// (one group at a time, like a rollout).
     pub const RESTART_REQUESTED_AT: &str = "tandem.dev/restart-requested-at";
 }
 

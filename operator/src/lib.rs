@@ -5,6 +5,7 @@ pub mod controller;
 pub mod crd;
 pub mod leader;
 pub mod metrics;
+pub mod names;
 pub mod planner;
 pub mod resources;
 pub mod server;

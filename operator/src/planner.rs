@@ -29,6 +29,8 @@ use crate::crd::{
 
 mod status;
 
+use crate::names::pod_name;
+
 /// Role of a pod inside its group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Role {
@@ -131,7 +133,7 @@ pub enum DeleteReason {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EventType {
+pub enum EventKind {
     Normal,
     Warning,
 }
@@ -139,7 +141,7 @@ pub enum EventType {
 /// A Kubernetes Event the controller publishes on the PDDeployment.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlannedEvent {
-    pub type_: EventType,
+    pub type_: EventKind,
     pub reason: String,
     pub group: i32,
     pub message: String,
@@ -147,7 +149,7 @@ pub struct PlannedEvent {
 
 /// One step the controller carries out.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Action {
+pub enum PlannedAction {
     ApplyClientService,
     ApplyGroupService {
         group: i32,
@@ -190,7 +192,7 @@ pub struct CoRestart {
 /// The planner's answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
-    pub actions: Vec<Action>,
+    pub actions: Vec<PlannedAction>,
     pub status: PDDeploymentStatus,
     pub co_restarts: Vec<CoRestart>,
     /// Groups that became Ready in this plan, with how long they took since their
@@ -199,31 +201,6 @@ pub struct Plan {
     /// Reconcile again after this long even if nothing changes (a backoff expires or a
     /// not-ready member reaches its window).
     pub requeue_after: Option<Duration>,
-}
-
-/// Deterministic pod name: deployment, group, incarnation, role, index. The incarnation
-/// in the name keeps a rebuilt pod from colliding with its terminating predecessor.
-pub fn pod_name(deployment: &str, group: i32, incarnation: i64, role: Role, index: i32) -> String {
-    let r = match role {
-        Role::Prefill => 'p',
-        Role::Decode => 'd',
-    };
-    format!("{deployment}-g{group}-i{incarnation}-{r}{index}")
-}
-
-/// Name of a group's headless bootstrap Service (selects its prefill pods).
-pub fn group_service_name(deployment: &str, group: i32) -> String {
-    format!("{deployment}-g{group}-bootstrap")
-}
-
-/// Name of a group's key Secret.
-pub fn group_secret_name(deployment: &str, group: i32) -> String {
-    format!("{deployment}-g{group}-key")
-}
-
-/// Name of a group's NetworkPolicy.
-pub fn network_policy_name(deployment: &str, group: i32) -> String {
-    format!("{deployment}-g{group}-kv")
 }
 
 /// Label selector of the client-facing decode pods.
@@ -268,7 +245,7 @@ struct Ctx<'a> {
     update_revision: String,
     current: RevisionedSpec,
     current_revision: String,
-    actions: Vec<Action>,
+    actions: Vec<PlannedAction>,
     co_restarts: Vec<CoRestart>,
     became_ready: Vec<(i32, Duration)>,
     requeue: Option<Duration>,
@@ -280,8 +257,8 @@ impl Ctx<'_> {
         self.requeue = Some(self.requeue.map_or(d, |r| r.min(d)));
     }
 
-    fn event(&mut self, type_: EventType, reason: &str, group: i32, message: String) {
-        self.actions.push(Action::Event(PlannedEvent {
+    fn event(&mut self, type_: EventKind, reason: &str, group: i32, message: String) {
+        self.actions.push(PlannedAction::Event(PlannedEvent {
             type_,
             reason: reason.to_string(),
             group,
@@ -337,7 +314,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     let observed = input.observed;
 
     if !observed.client_service {
-        ctx.actions.push(Action::ApplyClientService);
+        ctx.actions.push(PlannedAction::ApplyClientService);
     }
 
     // Every group index that is desired, remembered or still has pods.
@@ -453,13 +430,16 @@ fn group_available(mem: &GroupStatus, triggers: &BTreeMap<i32, Trigger>) -> bool
 fn ensure_group_objects(ctx: &mut Ctx<'_>, g: i32) {
     let obs = ctx.input.observed;
     if !obs.group_services.contains(&g) {
-        ctx.actions.push(Action::ApplyGroupService { group: g });
+        ctx.actions
+            .push(PlannedAction::ApplyGroupService { group: g });
     }
     if !obs.network_policies.contains(&g) {
-        ctx.actions.push(Action::ApplyNetworkPolicy { group: g });
+        ctx.actions
+            .push(PlannedAction::ApplyNetworkPolicy { group: g });
     }
     if !obs.group_secrets.contains(&g) {
-        ctx.actions.push(Action::CreateGroupSecret { group: g });
+        ctx.actions
+            .push(PlannedAction::CreateGroupSecret { group: g });
     }
 }
 
@@ -478,7 +458,7 @@ fn scale_down_group(
     });
     if mem.phase != GroupPhase::ScalingDown {
         ctx.event(
-            EventType::Normal,
+            EventKind::Normal,
             "ScalingDown",
             g,
             format!(
@@ -497,7 +477,8 @@ fn scale_down_group(
         || obs.network_policies.contains(&g)
         || obs.group_secrets.contains(&g)
     {
-        ctx.actions.push(Action::DeleteGroupResources { group: g });
+        ctx.actions
+            .push(PlannedAction::DeleteGroupResources { group: g });
         return Some(mem);
     }
     None
@@ -507,7 +488,7 @@ fn scale_down_group(
 fn close_gates(ctx: &mut Ctx<'_>, pods: &[&ObservedPod]) {
     for p in pods {
         if p.role == Role::Decode && p.group_ready_gate {
-            ctx.actions.push(Action::SetGroupReadyGate {
+            ctx.actions.push(PlannedAction::SetGroupReadyGate {
                 pod: p.name.clone(),
                 ready: false,
             });
@@ -524,7 +505,7 @@ fn remove_in_order(ctx: &mut Ctx<'_>, pods: &[&ObservedPod], reason: DeleteReaso
             continue;
         }
         for p in of_role.iter().filter(|p| !p.terminating) {
-            ctx.actions.push(Action::DeletePod {
+            ctx.actions.push(PlannedAction::DeletePod {
                 name: p.name.clone(),
                 group: p.group,
                 role,
@@ -728,9 +709,9 @@ fn co_restart(ctx: &mut Ctx<'_>, mem: &mut GroupStatus, t: &Trigger) -> bool {
     let (rev, _) = ctx.target(g);
     let rev = rev.to_string();
     let type_ = if is_failure(t.reason) {
-        EventType::Warning
+        EventKind::Warning
     } else {
-        EventType::Normal
+        EventKind::Normal
     };
     ctx.event(
         type_,
@@ -816,15 +797,16 @@ fn build_group(
         if seen.contains(pod.as_str()) {
             return false;
         }
-        ctx.actions.push(Action::CreatePod(Box::new(PodIntent {
-            name: pod,
-            group: g,
-            role,
-            index,
-            incarnation: mem.incarnation,
-            revision: mem.revision.clone(),
-            template: template.clone(),
-        })));
+        ctx.actions
+            .push(PlannedAction::CreatePod(Box::new(PodIntent {
+                name: pod,
+                group: g,
+                role,
+                index,
+                incarnation: mem.incarnation,
+                revision: mem.revision.clone(),
+                template: template.clone(),
+            })));
         true
     };
 
@@ -896,7 +878,7 @@ fn build_group(
     }
     for p in &decode {
         if p.group_ready_gate != all_ready {
-            ctx.actions.push(Action::SetGroupReadyGate {
+            ctx.actions.push(PlannedAction::SetGroupReadyGate {
                 pod: p.name.clone(),
                 ready: all_ready,
             });
@@ -927,9 +909,9 @@ fn note_phase(ctx: &mut Ctx<'_>, mem: &GroupStatus, prev: Option<GroupPhase>) {
     }
     let from = prev.map_or("None".to_string(), |p| format!("{p:?}"));
     let type_ = if mem.phase == GroupPhase::Broken {
-        EventType::Warning
+        EventKind::Warning
     } else {
-        EventType::Normal
+        EventKind::Normal
     };
     let mut message = format!(
         "group {}: {from} → {:?} at incarnation {}",

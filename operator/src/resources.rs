@@ -20,8 +20,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 
-use crate::crd::{PDDeployment, RevisionedSpec, labels};
-use crate::planner::{self, PodIntent, Role};
+use crate::crd::{PDDeployment, RevisionedSpec, conditions, labels};
+use crate::names;
+use crate::planner::{PodIntent, Role};
 
 /// Name of the dataplane container in every pod.
 pub const CONTAINER: &str = "dataplane";
@@ -109,12 +110,6 @@ fn meta(
     })
 }
 
-/// Hostname of the prefill pod with replica index `index` (its DNS name is
-/// `<hostname>.<group service>.<namespace>.svc`).
-pub fn prefill_hostname(index: i32) -> String {
-    format!("prefill-{index}")
-}
-
 /// Bootstrap addresses of a group's prefill pods, as given to its decode pods.
 pub fn prefill_peers(
     deployment: &str,
@@ -122,13 +117,13 @@ pub fn prefill_peers(
     group: i32,
     template: &RevisionedSpec,
 ) -> Vec<String> {
-    let service = planner::group_service_name(deployment, group);
+    let service = names::group_service_name(deployment, group);
     let kv_port = template.transfer.kv_port;
     (0..template.prefill.replicas.max(1))
         .map(|k| {
             format!(
                 "{}.{service}.{namespace}.svc:{kv_port}",
-                prefill_hostname(k)
+                names::prefill_hostname(k)
             )
         })
         .collect()
@@ -225,7 +220,7 @@ pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
             name: "TANDEM_GROUP_KEY".into(),
             value_from: Some(EnvVarSource {
                 secret_key_ref: Some(SecretKeySelector {
-                    name: planner::group_secret_name(&deployment, intent.group),
+                    name: names::group_secret_name(&deployment, intent.group),
                     key: SECRET_KEY.into(),
                     optional: Some(false),
                 }),
@@ -320,14 +315,14 @@ pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
 
     let (hostname, subdomain) = match intent.role {
         Role::Prefill => (
-            Some(prefill_hostname(intent.index)),
-            Some(planner::group_service_name(&deployment, intent.group)),
+            Some(names::prefill_hostname(intent.index)),
+            Some(names::group_service_name(&deployment, intent.group)),
         ),
         Role::Decode => (None, None),
     };
     let readiness_gates = (intent.role == Role::Decode).then(|| {
         vec![PodReadinessGate {
-            condition_type: labels::GROUP_READY_GATE.into(),
+            condition_type: conditions::GROUP_READY.into(),
         }]
     });
 
@@ -388,7 +383,7 @@ pub fn group_service(pdd: &PDDeployment, group: i32) -> Result<Service, BuildErr
     Ok(Service {
         metadata: meta(
             pdd,
-            planner::group_service_name(&name, group),
+            names::group_service_name(&name, group),
             with_ports(group_labels(&name, group), pdd),
         )?,
         spec: Some(ServiceSpec {
@@ -417,7 +412,7 @@ pub fn network_policy(pdd: &PDDeployment, group: i32) -> Result<NetworkPolicy, B
     Ok(NetworkPolicy {
         metadata: meta(
             pdd,
-            planner::network_policy_name(&name, group),
+            names::network_policy_name(&name, group),
             with_ports(group_labels(&name, group), pdd),
         )?,
         spec: Some(NetworkPolicySpec {
@@ -458,7 +453,7 @@ pub fn group_secret(pdd: &PDDeployment, group: i32, key: &str) -> Result<Secret,
     Ok(Secret {
         metadata: meta(
             pdd,
-            planner::group_secret_name(&name, group),
+            names::group_secret_name(&name, group),
             group_labels(&name, group),
         )?,
         type_: Some("Opaque".into()),
@@ -485,7 +480,7 @@ mod tests {
 
     fn intent(p: &PDDeployment, role: Role, index: i32) -> PodIntent {
         PodIntent {
-            name: planner::pod_name("demo", 2, 3, role, index),
+            name: names::pod_name("demo", 2, 3, role, index),
             group: 2,
             role,
             index,

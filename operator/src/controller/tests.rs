@@ -71,7 +71,7 @@ fn member(role: Role, incarnation: i64, phase: &str, ready: bool, gate: Option<b
     let p = pdd(None);
     let revision = crate::crd::RevisionedSpec::from_spec(&p.spec);
     let intent = PodIntent {
-        name: planner::pod_name(NAME, 0, incarnation, role, 0),
+        name: names::pod_name(NAME, 0, incarnation, role, 0),
         group: 0,
         role,
         index: 0,
@@ -86,13 +86,13 @@ fn member(role: Role, incarnation: i64, phase: &str, ready: bool, gate: Option<b
         last_transition_time: Some(Time(now())),
         ..Default::default()
     };
-    let mut conditions = vec![cond("ContainersReady", ready)];
+    let mut pod_conditions = vec![cond("ContainersReady", ready)];
     if let Some(g) = gate {
-        conditions.push(cond(labels::GROUP_READY_GATE, g));
+        pod_conditions.push(cond(conditions::GROUP_READY, g));
     }
     pod.status = Some(PodStatus {
         phase: Some(phase.into()),
-        conditions: Some(conditions),
+        conditions: Some(pod_conditions),
         ..Default::default()
     });
     pod
@@ -279,7 +279,7 @@ fn context() -> (Arc<Context>, MockApi) {
 async fn run<F>(
     trigger: PDDeployment,
     script: impl FnOnce(MockApi) -> F,
-) -> (Result<Requeue, Error>, Arc<Metrics>)
+) -> (Result<Action, Error>, Arc<Metrics>)
 where
     F: Future<Output = ()> + Send + 'static,
 {
@@ -327,7 +327,7 @@ async fn a_new_deployment_gets_its_objects_and_only_the_prefill_pod() {
         api.done().await;
     })
     .await;
-    assert_eq!(result.unwrap(), Requeue::requeue(DEFAULT_REQUEUE));
+    assert_eq!(result.unwrap(), Action::requeue(DEFAULT_REQUEUE));
 }
 
 #[tokio::test]
@@ -522,9 +522,9 @@ async fn an_api_error_still_persists_the_status_and_is_counted() {
     );
     let ctx = context().0;
     let requeue = error_policy(Arc::new(pdd(None)), &err, ctx.clone());
-    assert_eq!(requeue, Requeue::requeue(Duration::from_secs(5)));
+    assert_eq!(requeue, Action::requeue(Duration::from_secs(5)));
     let requeue = error_policy(Arc::new(pdd(None)), &err, ctx.clone());
-    assert_eq!(requeue, Requeue::requeue(Duration::from_secs(10)));
+    assert_eq!(requeue, Action::requeue(Duration::from_secs(10)));
     assert!(
         ctx.metrics
             .encode()
@@ -538,7 +538,7 @@ async fn an_invalid_restart_annotation_warns_and_degrades() {
     let mut trigger = pdd(Some(status_after(None, &[])));
     trigger
         .annotations_mut()
-        .insert(labels::RESTART_REQUESTED_AT.into(), "yesterday".into());
+        .insert(annotations::RESTART_REQUESTED_AT.into(), "yesterday".into());
     let prefill = member(Role::Prefill, 1, "Running", false, None);
     let (result, _) = run(trigger.clone(), |mut api| async move {
         api.reads(&trigger, &[prefill], true).await;
@@ -549,7 +549,7 @@ async fn an_invalid_restart_annotation_warns_and_degrades() {
         let degraded = status
             .conditions
             .iter()
-            .find(|c| c.type_ == condition::DEGRADED)
+            .find(|c| c.type_ == conditions::DEGRADED)
             .unwrap();
         assert_eq!(degraded.status, "True");
         assert_eq!(degraded.reason, "InvalidRestartRequest");
@@ -571,7 +571,7 @@ async fn a_deleted_deployment_is_left_to_the_garbage_collector() {
         api.done().await;
     })
     .await;
-    assert_eq!(result.unwrap(), Requeue::await_change());
+    assert_eq!(result.unwrap(), Action::await_change());
 }
 
 #[test]
@@ -613,7 +613,7 @@ fn restart_annotation_parsing() {
     let mut p = pdd(None);
     assert_eq!(restart_requested_at(&p), Ok(None));
     p.annotations_mut().insert(
-        labels::RESTART_REQUESTED_AT.into(),
+        annotations::RESTART_REQUESTED_AT.into(),
         "2025-06-15T10:00:00Z".into(),
     );
     assert_eq!(
@@ -621,7 +621,7 @@ fn restart_annotation_parsing() {
         Ok(Some("2025-06-15T10:00:00Z".parse().unwrap()))
     );
     p.annotations_mut()
-        .insert(labels::RESTART_REQUESTED_AT.into(), "soon".into());
+        .insert(annotations::RESTART_REQUESTED_AT.into(), "soon".into());
     assert!(restart_requested_at(&p).is_err());
 }
 

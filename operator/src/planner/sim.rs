@@ -18,7 +18,7 @@ pub struct Sim {
     pub now: Timestamp,
     pub restart_requested_at: Option<Timestamp>,
     /// Every action ever applied, in order.
-    pub history: Vec<Action>,
+    pub history: Vec<PlannedAction>,
     /// Groups brought down by a planned restart and not Ready again yet (invariant I3).
     pub rolling: BTreeSet<i32>,
     pub last_plan: Option<Plan>,
@@ -91,26 +91,26 @@ impl Sim {
         plan
     }
 
-    fn apply(&mut self, a: &Action) {
+    fn apply(&mut self, a: &PlannedAction) {
         self.history.push(a.clone());
         let o = &mut self.observed_objects;
         match a {
-            Action::ApplyClientService => o.client_service = true,
-            Action::ApplyGroupService { group } => {
+            PlannedAction::ApplyClientService => o.client_service = true,
+            PlannedAction::ApplyGroupService { group } => {
                 o.group_services.insert(*group);
             }
-            Action::ApplyNetworkPolicy { group } => {
+            PlannedAction::ApplyNetworkPolicy { group } => {
                 o.network_policies.insert(*group);
             }
-            Action::CreateGroupSecret { group } => {
+            PlannedAction::CreateGroupSecret { group } => {
                 o.group_secrets.insert(*group);
             }
-            Action::DeleteGroupResources { group } => {
+            PlannedAction::DeleteGroupResources { group } => {
                 o.group_services.remove(group);
                 o.network_policies.remove(group);
                 o.group_secrets.remove(group);
             }
-            Action::CreatePod(intent) => {
+            PlannedAction::CreatePod(intent) => {
                 assert!(
                     !self.pods.contains_key(&intent.name),
                     "created {} twice",
@@ -132,26 +132,26 @@ impl Sim {
                     },
                 );
             }
-            Action::DeletePod { name, .. } => {
+            PlannedAction::DeletePod { name, .. } => {
                 if let Some(p) = self.pods.get_mut(name) {
                     p.terminating = true;
                 }
             }
-            Action::SetGroupReadyGate { pod, ready } => {
+            PlannedAction::SetGroupReadyGate { pod, ready } => {
                 if let Some(p) = self.pods.get_mut(pod) {
                     p.group_ready_gate = *ready;
                 }
             }
-            Action::Event(_) => {}
+            PlannedAction::Event(_) => {}
         }
     }
 
     /// Invariants that concern one action before it takes effect.
-    fn check_before(&self, a: &Action) {
+    fn check_before(&self, a: &PlannedAction) {
         match a {
             // I2: a decode pod is created only when every prefill pod of its incarnation
             // exists, runs and is Ready.
-            Action::CreatePod(intent) if intent.role == Role::Decode => {
+            PlannedAction::CreatePod(intent) if intent.role == Role::Decode => {
                 let prefill: Vec<_> = self
                     .pods
                     .values()
@@ -176,7 +176,7 @@ impl Sim {
                 }
             }
             // I5: policy None deletes nothing on its own initiative.
-            Action::DeletePod { name, reason, .. }
+            PlannedAction::DeletePod { name, reason, .. }
                 if self.spec.restart.policy == RestartPolicy::None =>
             {
                 assert_eq!(
@@ -309,7 +309,10 @@ impl Sim {
     pub fn settle(&mut self, max_steps: usize) -> usize {
         for step in 0..max_steps {
             let plan = self.reconcile();
-            let idle = plan.actions.iter().all(|a| matches!(a, Action::Event(_)))
+            let idle = plan
+                .actions
+                .iter()
+                .all(|a| matches!(a, PlannedAction::Event(_)))
                 && !self
                     .pods
                     .values()
@@ -344,7 +347,7 @@ impl Sim {
         plan.actions
             .iter()
             .filter_map(|a| match a {
-                Action::Event(e) => Some(e.clone()),
+                PlannedAction::Event(e) => Some(e.clone()),
                 _ => None,
             })
             .collect()
@@ -354,7 +357,7 @@ impl Sim {
         plan.actions
             .iter()
             .filter_map(|a| match a {
-                Action::DeletePod { name, role, .. } => Some((name.clone(), *role)),
+                PlannedAction::DeletePod { name, role, .. } => Some((name.clone(), *role)),
                 _ => None,
             })
             .collect()
@@ -364,7 +367,7 @@ impl Sim {
         plan.actions
             .iter()
             .filter_map(|a| match a {
-                Action::CreatePod(i) => Some((i.name.clone(), i.role)),
+                PlannedAction::CreatePod(i) => Some((i.name.clone(), i.role)),
                 _ => None,
             })
             .collect()

@@ -5,7 +5,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
 use super::{Ctx, decode_selector};
-use crate::crd::{GroupPhase, GroupStatus, PDDeploymentStatus, condition};
+use crate::crd::{GroupPhase, GroupStatus, PDDeploymentStatus, conditions};
 
 pub(super) fn summarize(
     ctx: &Ctx<'_>,
@@ -44,7 +44,7 @@ pub(super) fn summarize(
     set_condition(
         &mut conditions,
         prev_conds,
-        condition::AVAILABLE,
+        conditions::AVAILABLE,
         ready >= needed,
         if ready >= needed {
             "MinimumGroupsAvailable"
@@ -78,7 +78,7 @@ pub(super) fn summarize(
     set_condition(
         &mut conditions,
         prev_conds,
-        condition::PROGRESSING,
+        conditions::PROGRESSING,
         progressing,
         reason,
         message,
@@ -128,7 +128,7 @@ pub(super) fn summarize(
     set_condition(
         &mut conditions,
         prev_conds,
-        condition::DEGRADED,
+        conditions::DEGRADED,
         degraded,
         reason,
         message,
@@ -144,7 +144,7 @@ pub(super) fn summarize(
     set_condition(
         &mut conditions,
         prev_conds,
-        condition::BOOTSTRAP_HEALTHY,
+        conditions::BOOTSTRAP_HEALTHY,
         healthy,
         if healthy {
             "AllChannelsHealthy"

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use super::sim::Sim;
 use super::*;
-use crate::crd::{CoRestartReason as R, GroupPhase, RestartPolicy, condition};
+use crate::crd::{CoRestartReason as R, GroupPhase, RestartPolicy, conditions};
 use crate::testutil::spec;
 
 /// A sim with `groups` groups built and Ready.
@@ -40,18 +40,18 @@ fn condition_of<'a>(
 fn new_deployment_creates_prefill_and_objects_but_no_decode() {
     let mut sim = Sim::new(spec(1));
     let plan = sim.reconcile();
-    assert!(plan.actions.contains(&Action::ApplyClientService));
+    assert!(plan.actions.contains(&PlannedAction::ApplyClientService));
     assert!(
         plan.actions
-            .contains(&Action::ApplyGroupService { group: 0 })
+            .contains(&PlannedAction::ApplyGroupService { group: 0 })
     );
     assert!(
         plan.actions
-            .contains(&Action::ApplyNetworkPolicy { group: 0 })
+            .contains(&PlannedAction::ApplyNetworkPolicy { group: 0 })
     );
     assert!(
         plan.actions
-            .contains(&Action::CreateGroupSecret { group: 0 })
+            .contains(&PlannedAction::CreateGroupSecret { group: 0 })
     );
     assert_eq!(
         Sim::created(&plan),
@@ -62,7 +62,7 @@ fn new_deployment_creates_prefill_and_objects_but_no_decode() {
     // A second reconcile with nothing changed does nothing but wait.
     let plan = sim.reconcile();
     assert!(Sim::created(&plan).is_empty());
-    assert!(!plan.actions.contains(&Action::ApplyClientService));
+    assert!(!plan.actions.contains(&PlannedAction::ApplyClientService));
 }
 
 #[test]
@@ -100,33 +100,33 @@ fn gate_opens_only_when_the_whole_group_is_ready() {
         !plan
             .actions
             .iter()
-            .any(|a| matches!(a, Action::SetGroupReadyGate { .. })),
+            .any(|a| matches!(a, PlannedAction::SetGroupReadyGate { .. })),
         "gate stays closed while the decode is not ready"
     );
     sim.set_ready(&d, true);
     let plan = sim.reconcile();
-    assert!(plan.actions.contains(&Action::SetGroupReadyGate {
+    assert!(plan.actions.contains(&PlannedAction::SetGroupReadyGate {
         pod: d.clone(),
         ready: true
     }));
     assert_eq!(sim.group(0).phase, GroupPhase::Ready);
     assert!(sim.group(0).bootstrap_healthy);
     assert_eq!(plan.became_ready.len(), 1);
-    assert_eq!(condition_of(&sim, condition::AVAILABLE).status, "True");
+    assert_eq!(condition_of(&sim, conditions::AVAILABLE).status, "True");
     assert_eq!(
-        condition_of(&sim, condition::BOOTSTRAP_HEALTHY).status,
+        condition_of(&sim, conditions::BOOTSTRAP_HEALTHY).status,
         "True"
     );
     // The decode's channel breaks: the gate closes at once, before any co-restart.
     sim.set_ready(&d, false);
     let plan = sim.reconcile();
-    assert!(plan.actions.contains(&Action::SetGroupReadyGate {
+    assert!(plan.actions.contains(&PlannedAction::SetGroupReadyGate {
         pod: d,
         ready: false
     }));
     assert_eq!(sim.group(0).phase, GroupPhase::Broken);
     assert_eq!(
-        condition_of(&sim, condition::BOOTSTRAP_HEALTHY).status,
+        condition_of(&sim, conditions::BOOTSTRAP_HEALTHY).status,
         "False"
     );
     assert!(plan.co_restarts.is_empty());
@@ -147,7 +147,7 @@ fn member_failed_removes_decode_then_prefill_then_rebuilds_prefill_first() {
     );
     let ev = sim.events(&plan);
     assert!(ev.iter().any(|e| e.reason == "MemberFailed"
-        && e.type_ == EventType::Warning
+        && e.type_ == EventKind::Warning
         && e.message.contains("incarnation 1 → 2")));
     let g = sim.group(0);
     assert_eq!(
@@ -309,7 +309,7 @@ fn revision_change_rolls_one_group_at_a_time_highest_first() {
     let ev = sim.events(&plan);
     assert!(
         ev.iter()
-            .any(|e| e.reason == "RevisionChanged" && e.type_ == EventType::Normal)
+            .any(|e| e.reason == "RevisionChanged" && e.type_ == EventKind::Normal)
     );
     // Group 2 is down: nothing else starts.
     assert!(sim.reconcile().co_restarts.is_empty());
@@ -325,7 +325,7 @@ fn revision_change_rolls_one_group_at_a_time_highest_first() {
     assert_eq!(st.updated_groups, 3);
     assert_eq!(st.current_revision, st.update_revision);
     assert_eq!(
-        condition_of(&sim, condition::PROGRESSING).reason,
+        condition_of(&sim, conditions::PROGRESSING).reason,
         "Complete"
     );
 }
@@ -369,7 +369,7 @@ fn paused_rollout_starts_nothing() {
     sim.spec.decode.template.image = "tandem:2".into();
     let plan = sim.reconcile();
     assert!(plan.co_restarts.is_empty());
-    assert_eq!(condition_of(&sim, condition::PROGRESSING).reason, "Paused");
+    assert_eq!(condition_of(&sim, conditions::PROGRESSING).reason, "Paused");
     sim.spec.rollout.paused = false;
     assert_eq!(sim.reconcile().co_restarts.len(), 1);
 }
@@ -447,7 +447,7 @@ fn repeated_failures_back_off_exponentially() {
         } else {
             assert!(plan.co_restarts.is_empty(), "held back");
             assert_eq!(sim.group(0).phase, GroupPhase::Broken);
-            let c = condition_of(&sim, condition::DEGRADED);
+            let c = condition_of(&sim, conditions::DEGRADED);
             assert_eq!(
                 (c.status.as_str(), c.reason.as_str()),
                 ("True", "CoRestartBackoff")
@@ -500,11 +500,11 @@ fn scale_up_adds_groups_and_scale_down_removes_highest_decode_first() {
     let plan = sim.reconcile();
     assert!(
         plan.actions
-            .contains(&Action::DeleteGroupResources { group: 1 })
+            .contains(&PlannedAction::DeleteGroupResources { group: 1 })
     );
     assert!(
         plan.actions
-            .contains(&Action::DeleteGroupResources { group: 2 })
+            .contains(&PlannedAction::DeleteGroupResources { group: 2 })
     );
     sim.reconcile();
     let st = sim.status.as_ref().unwrap();
@@ -535,7 +535,7 @@ fn policy_none_reports_but_never_deletes() {
             .unwrap()
             .contains("MemberFailed")
     );
-    let c = condition_of(&sim, condition::DEGRADED);
+    let c = condition_of(&sim, conditions::DEGRADED);
     assert_eq!(
         (c.status.as_str(), c.reason.as_str()),
         ("True", "CoRestartSuppressed")
@@ -547,13 +547,13 @@ fn policy_none_reports_but_never_deletes() {
 #[test]
 fn conditions_keep_their_transition_time_while_unchanged() {
     let mut sim = ready_sim(1);
-    let t0 = condition_of(&sim, condition::AVAILABLE)
+    let t0 = condition_of(&sim, conditions::AVAILABLE)
         .last_transition_time
         .clone();
     sim.advance(100);
     sim.reconcile();
     assert_eq!(
-        condition_of(&sim, condition::AVAILABLE).last_transition_time,
+        condition_of(&sim, conditions::AVAILABLE).last_transition_time,
         t0
     );
 }
