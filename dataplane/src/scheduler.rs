@@ -110,9 +110,14 @@ impl std::fmt::Debug for KvImport {
     }
 }
 
+/// Bytes of a prompt's KV as they arrived. The engine only reads them; whoever delivered
+/// them decides what dropping them does (the KV transfer layer returns its reassembly
+/// buffer to a pool), so the engine API does not depend on any transport's buffer type.
+pub type KvBytes = Box<dyn AsRef<[u8]> + Send>;
+
 pub struct ImportedKv {
     /// A `model::kv_transfer` buffer holding exactly the prompt's tokens.
-    pub payload: crate::kv::chunks::KvPayload,
+    pub payload: KvBytes,
     pub first_token: u32,
     pub first_logprob: Option<TokenLogprob>,
 }
@@ -121,7 +126,7 @@ pub struct ImportedKv {
 impl std::fmt::Debug for ImportedKv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ImportedKv")
-            .field("payload_bytes", &self.payload.len())
+            .field("payload_bytes", &(*self.payload).as_ref().len())
             .field("first_token", &self.first_token)
             .finish_non_exhaustive()
     }

@@ -171,6 +171,12 @@ impl std::ops::Deref for KvPayload {
     }
 }
 
+impl AsRef<[u8]> for KvPayload {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
 impl From<Vec<u8>> for KvPayload {
     fn from(buf: Vec<u8>) -> Self {
         Self { buf, pool: None }

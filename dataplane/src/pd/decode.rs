@@ -1,61 +1,24 @@
-//! Decode role: one DEALER socket and one supervised loop (`peer_loop`) per configured
-//! prefill. HTTP tasks talk to the loops through `DecodeClient`: pick the least-loaded
+//! Decode role: one DEALER socket and one supervised loop (`dealer_loop`) per configured
+//! prefill. HTTP tasks talk to the loops through `DecodeHandle`: pick the least-loaded
 //! healthy prefill, open a room, await its KV. `/ready` reads what the loops publish.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::mpsc as tmpsc;
 
+use super::dealer_loop::{Command, DealerConfig, DealerLoop, PeerShared, RoomFailure};
 use super::wire;
 use super::{Check, LoopHealth, loop_stale_after, random_id, supervise};
 use crate::config::PdTimings;
 use crate::engine_api::ModelInfo;
 use crate::kv::auth::{GroupKey, LocalIdentity};
-use crate::kv::room::{Deadlines, RoomTable};
 use crate::kv::{FailCode, PrefillRequest};
 use crate::metrics::Metrics;
 use crate::sampling::SamplingParams;
 use crate::scheduler::ImportedKv;
-
-/// A room that ended without KV; `code` is the protocol reason.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RoomFailure {
-    pub code: FailCode,
-    pub message: String,
-}
-
-pub(super) enum Command {
-    Open {
-        room: u64,
-        req: PrefillRequest,
-        reply: tmpsc::Sender<Result<(), RoomFailure>>,
-        kv: tmpsc::Sender<ImportedKv>,
-    },
-}
-
-/// What `/ready` and the router read about one peer (written by its loop only).
-pub(super) struct PeerShared {
-    pub(super) base: Instant,
-    pub(super) established: AtomicBool,
-    pub(super) peer_incarnation: AtomicU64,
-    /// ms since `base` of the last PONG (or handshake completion).
-    pub(super) last_pong_ms: AtomicU64,
-    pub(super) in_flight: AtomicUsize,
-}
-
-impl PeerShared {
-    fn pong_age(&self) -> Duration {
-        let now = self.base.elapsed().as_millis() as u64;
-        Duration::from_millis(now.saturating_sub(self.last_pong_ms.load(Ordering::Relaxed)))
-    }
-    pub(super) fn mark_pong(&self) {
-        self.last_pong_ms
-            .store(self.base.elapsed().as_millis() as u64, Ordering::Relaxed);
-    }
-}
 
 struct Peer {
     addr: String,
@@ -64,7 +27,7 @@ struct Peer {
     health: Arc<LoopHealth>,
 }
 
-pub struct DecodeClient {
+pub struct DecodeHandle {
     peers: Vec<Peer>,
     rotate: AtomicUsize,
     timings: PdTimings,
@@ -79,7 +42,7 @@ pub fn start(
     timings: PdTimings,
     info: &ModelInfo,
     metrics: Arc<Metrics>,
-) -> crate::Result<DecodeClient> {
+) -> crate::Result<DecodeHandle> {
     if addrs.is_empty() {
         return Err(crate::Error::Model(
             "role decode needs at least one --prefill address".into(),
@@ -103,17 +66,11 @@ pub fn start(
         sock.set_reconnect_ivl_max(1000).map_err(io)?;
         sock.connect(&format!("tcp://{addr}")).map_err(io)?;
         let (tx, rx) = sync_channel(1024);
-        let shared = Arc::new(PeerShared {
-            base: Instant::now(),
-            established: AtomicBool::new(false),
-            peer_incarnation: AtomicU64::new(0),
-            last_pong_ms: AtomicU64::new(0),
-            in_flight: AtomicUsize::new(0),
-        });
+        let shared = Arc::new(PeerShared::new());
         let health = LoopHealth::new(format!("kv_peer_{i}"));
         health.beat();
-        let body = super::peer_loop::PeerLoop {
-            _ctx: ctx.clone(),
+        let config = DealerConfig {
+            ctx: ctx.clone(),
             sock,
             addr: addr.clone(),
             local: local.clone(),
@@ -121,19 +78,9 @@ pub fn start(
             timings,
             per_token,
             metrics: metrics.clone(),
-            health: health.clone(),
-            shared: shared.clone(),
-            rx,
-            session: super::peer_loop::Session::Idle {
-                retry_at: Instant::now(),
-            },
-            rooms: RoomTable::new(
-                Deadlines::new(timings.bootstrap_timeout, timings.kv_timeout),
-                65_536,
-            ),
-            last_ping: None,
             pool: pool.clone(),
         };
+        let body = DealerLoop::new(config, health.clone(), shared.clone(), rx);
         supervise(body, health.clone(), metrics.clone()).map_err(|e| crate::Error::Io {
             path: "KV loop thread".into(),
             source: e,
@@ -145,7 +92,7 @@ pub fn start(
             health,
         });
     }
-    Ok(DecodeClient {
+    Ok(DecodeHandle {
         peers,
         rotate: AtomicUsize::new(0),
         timings,
@@ -153,7 +100,7 @@ pub fn start(
     })
 }
 
-impl DecodeClient {
+impl DecodeHandle {
     #[cfg(test)]
     pub(super) fn loop_health(&self, i: usize) -> Arc<LoopHealth> {
         self.peers[i].health.clone()

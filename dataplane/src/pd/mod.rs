@@ -1,6 +1,12 @@
-//! PD roles over ZeroMQ: the prefill's ROUTER loop (`prefill`) and the decode's DEALER loop
-//! per prefill (`decode`), both supervised (`supervise`), plus the readiness checks
-//! `/ready` reports for them. The protocol itself (codec, handshake, rooms) is `crate::kv`.
+//! PD roles over ZeroMQ. Each side is a handle the rest of the process holds and the loop
+//! behind it: the prefill's `PrefillHandle` (`prefill`) and its `RouterLoop` (`router_loop`,
+//! one ROUTER socket for every decode); the decode's `DecodeHandle` (`decode`) and one
+//! `DealerLoop` per prefill (`dealer_loop`, one DEALER socket each). Both loops are
+//! supervised (`supervise`) and share the ZeroMQ plumbing (`wire`). The protocol itself
+//! (codec, handshake, rooms) is `crate::kv`.
+//!
+//! Imports run one way: handle → loop → `supervise` / `wire` / `crate::kv`; a loop never
+//! reaches back into its handle.
 //!
 //! Threads: every socket is owned by exactly one loop thread (ZeroMQ sockets are not
 //! thread safe). The engine thread and the HTTP tasks talk to the loops only through
@@ -8,9 +14,10 @@
 //! thread (rule 10), and the health probe (PING/PONG) runs through the very loop and socket
 //! that carry KV (rule 5).
 
+mod dealer_loop;
 pub mod decode;
-mod peer_loop;
 pub mod prefill;
+mod router_loop;
 mod supervise;
 #[cfg(test)]
 mod tests;
@@ -22,7 +29,8 @@ use crate::engine_api::ModelInfo;
 use crate::kv::KvLayout;
 use crate::kv::auth::LocalIdentity;
 
-pub use decode::{DecodeClient, RoomFailure};
+pub use dealer_loop::RoomFailure;
+pub use decode::DecodeHandle;
 pub use prefill::PrefillHandle;
 pub use supervise::{LoopHealth, supervise};
 
@@ -37,7 +45,7 @@ pub struct Check {
 /// The PD side of a process, for `/ready` and request routing.
 pub enum PdRole {
     Prefill(PrefillHandle),
-    Decode(DecodeClient),
+    Decode(DecodeHandle),
 }
 
 impl PdRole {

@@ -319,7 +319,7 @@ impl<R: ModelRunner> Engine<R> {
                 });
                 continue;
             };
-            if let Err(e) = self.runner.import_kv(seq, &kv.payload) {
+            if let Err(e) = self.runner.import_kv(seq, (*kv.payload).as_ref()) {
                 self.runner.free(seq);
                 self.fail(
                     &sub,

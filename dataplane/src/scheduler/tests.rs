@@ -356,7 +356,7 @@ fn export_then_import_continues_exactly_like_one_engine() {
     let (decode, _) = start(r, SchedulerConfig::default());
     let mut dec = req(prompt.clone(), 10);
     dec.transfer = Transfer::Import(Arc::new(KvImport::ready(ImportedKv {
-        payload: payload.into(),
+        payload: Box::new(payload),
         first_token: p.ids[0],
         first_logprob: None,
     })));
@@ -375,7 +375,7 @@ fn export_then_import_continues_exactly_like_one_engine() {
     // A payload that does not fit fails the request with the KV reason, holding nothing.
     let mut bad = req(prompt, 4);
     bad.transfer = Transfer::Import(Arc::new(KvImport::ready(ImportedKv {
-        payload: vec![1, 2, 3].into(),
+        payload: Box::new(vec![1u8, 2, 3]),
         first_token: 5,
         first_logprob: None,
     })));

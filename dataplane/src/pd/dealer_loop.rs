@@ -1,22 +1,22 @@
-//! The decode's loop for one prefill: owns the DEALER socket; handshakes by itself (again
-//! whenever the prefill shows a new incarnation), probes with PING/PONG, opens rooms for
-//! HTTP requests, validates and reassembles KV chunks, aborts rooms whose client left, and
-//! enforces each room's no-progress deadline.
+//! The decode's loop for one prefill (`DealerLoop`): owns the DEALER socket; handshakes by
+//! itself (again whenever the prefill shows a new incarnation), probes with PING/PONG, opens
+//! rooms for HTTP requests, validates and reassembles KV chunks, aborts rooms whose client
+//! left, and enforces each room's no-progress deadline. The types the decode's HTTP side
+//! shares with the loop (`Command`, `PeerShared`, `RoomFailure`) live here with it.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc as tmpsc;
 
-use super::decode::{Command, PeerShared, RoomFailure};
 use super::supervise::Supervised;
 use super::{LoopHealth, random_id, wire};
 use crate::config::PdTimings;
 use crate::kv::auth::{GroupKey, Initiator, LocalIdentity};
 use crate::kv::chunks::{Assembler, BufferPool};
-use crate::kv::room::{AbortOutcome, RoomState, RoomTable};
+use crate::kv::room::{AbortOutcome, Deadlines, RoomState, RoomTable};
 use crate::kv::{
     Decoded, Envelope, FailCode, KvChunkRef, Message, PrefillRequest, decode_borrowed,
 };
@@ -24,14 +24,65 @@ use crate::metrics::{Metrics, PeerLabels};
 use crate::sampling::TokenLogprob;
 use crate::scheduler::ImportedKv;
 
-pub(super) enum Session {
+/// A room that ended without KV; `code` is the protocol reason.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoomFailure {
+    pub code: FailCode,
+    pub message: String,
+}
+
+/// What the decode's HTTP side asks of a peer's loop.
+pub(super) enum Command {
+    Open {
+        room: u64,
+        req: PrefillRequest,
+        reply: tmpsc::Sender<Result<(), RoomFailure>>,
+        kv: tmpsc::Sender<ImportedKv>,
+    },
+}
+
+/// What `/ready` and the router read about one peer (written by its loop only).
+pub(super) struct PeerShared {
+    pub(super) base: Instant,
+    pub(super) established: AtomicBool,
+    pub(super) peer_incarnation: AtomicU64,
+    /// ms since `base` of the last PONG (or handshake completion).
+    pub(super) last_pong_ms: AtomicU64,
+    pub(super) in_flight: AtomicUsize,
+}
+
+impl PeerShared {
+    pub(super) fn new() -> Self {
+        Self {
+            base: Instant::now(),
+            established: AtomicBool::new(false),
+            peer_incarnation: AtomicU64::new(0),
+            last_pong_ms: AtomicU64::new(0),
+            in_flight: AtomicUsize::new(0),
+        }
+    }
+
+    pub(super) fn pong_age(&self) -> Duration {
+        let now = self.base.elapsed().as_millis() as u64;
+        Duration::from_millis(now.saturating_sub(self.last_pong_ms.load(Ordering::Relaxed)))
+    }
+
+    fn mark_pong(&self) {
+        self.last_pong_ms
+            .store(self.base.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+}
+
+/// The decode's session with its prefill: the handshake's progress.
+enum DealerSession {
     Idle { retry_at: Instant },
     HelloSent { init: Initiator, at: Instant },
     AuthSent { peer_incarnation: u64, at: Instant },
     Established { peer_incarnation: u64 },
 }
 
-pub(super) struct DecodeRoom {
+/// One room as the decode sees it.
+struct DealerRoom {
     reply: tmpsc::Sender<Result<(), RoomFailure>>,
     /// Delivers the KV into the engine's reserved sequence. Dropped with the room: only
     /// then does the engine free the reservation (after ABORT_ACK for an abort, rule 8).
@@ -42,8 +93,29 @@ pub(super) struct DecodeRoom {
     peer_incarnation: u64,
 }
 
-pub(super) struct PeerLoop {
-    pub(super) _ctx: zmq::Context,
+pub(super) struct DealerLoop {
+    _ctx: zmq::Context,
+    sock: zmq::Socket,
+    addr: String,
+    local: LocalIdentity,
+    key: GroupKey,
+    timings: PdTimings,
+    /// Upper bound of one prompt token's KV bytes, to refuse oversized KV.
+    per_token: u64,
+    metrics: Arc<Metrics>,
+    health: Arc<LoopHealth>,
+    shared: Arc<PeerShared>,
+    rx: Receiver<Command>,
+    session: DealerSession,
+    rooms: RoomTable<DealerRoom>,
+    last_ping: Option<(u64, Instant)>,
+    /// Reassembly buffers reused across rooms (shared by every peer loop).
+    pool: BufferPool,
+}
+
+/// What a `DealerLoop` is built from (one per prefill address).
+pub(super) struct DealerConfig {
+    pub(super) ctx: zmq::Context,
     pub(super) sock: zmq::Socket,
     pub(super) addr: String,
     pub(super) local: LocalIdentity,
@@ -51,17 +123,40 @@ pub(super) struct PeerLoop {
     pub(super) timings: PdTimings,
     pub(super) per_token: u64,
     pub(super) metrics: Arc<Metrics>,
-    pub(super) health: Arc<LoopHealth>,
-    pub(super) shared: Arc<PeerShared>,
-    pub(super) rx: Receiver<Command>,
-    pub(super) session: Session,
-    pub(super) rooms: RoomTable<DecodeRoom>,
-    pub(super) last_ping: Option<(u64, Instant)>,
-    /// Reassembly buffers reused across rooms (shared by every peer loop).
     pub(super) pool: BufferPool,
 }
 
-impl Supervised for PeerLoop {
+impl DealerLoop {
+    pub(super) fn new(
+        c: DealerConfig,
+        health: Arc<LoopHealth>,
+        shared: Arc<PeerShared>,
+        rx: Receiver<Command>,
+    ) -> Self {
+        let deadlines = Deadlines::new(c.timings.bootstrap_timeout, c.timings.kv_timeout);
+        Self {
+            _ctx: c.ctx,
+            sock: c.sock,
+            addr: c.addr,
+            local: c.local,
+            key: c.key,
+            timings: c.timings,
+            per_token: c.per_token,
+            metrics: c.metrics,
+            health,
+            shared,
+            rx,
+            session: DealerSession::Idle {
+                retry_at: Instant::now(),
+            },
+            rooms: RoomTable::new(deadlines, 65_536),
+            last_ping: None,
+            pool: c.pool,
+        }
+    }
+}
+
+impl Supervised for DealerLoop {
     fn run(&mut self) {
         loop {
             self.health.beat();
@@ -89,7 +184,7 @@ impl Supervised for PeerLoop {
     }
 }
 
-impl PeerLoop {
+impl DealerLoop {
     fn send(&self, room: u64, msg: Message) -> bool {
         let env = Envelope {
             incarnation: self.local.incarnation,
@@ -108,18 +203,18 @@ impl PeerLoop {
         }
     }
 
-    fn set_session(&mut self, s: Session) {
-        let est = matches!(s, Session::Established { .. });
+    fn set_session(&mut self, s: DealerSession) {
+        let est = matches!(s, DealerSession::Established { .. });
         self.shared.established.store(est, Ordering::Relaxed);
         self.session = s;
     }
 
     fn known_incarnation(&self) -> Option<u64> {
         match self.session {
-            Session::AuthSent {
+            DealerSession::AuthSent {
                 peer_incarnation, ..
             }
-            | Session::Established { peer_incarnation } => Some(peer_incarnation),
+            | DealerSession::Established { peer_incarnation } => Some(peer_incarnation),
             _ => None,
         }
     }
@@ -149,7 +244,7 @@ impl PeerLoop {
                     self.fail_room(id, FailCode::PeerRestarted, "prefill restarted", false);
                 }
             }
-            self.set_session(Session::Idle {
+            self.set_session(DealerSession::Idle {
                 retry_at: Instant::now(),
             });
             if !matches!(decoded, Decoded::Message(Message::Reject { .. })) {
@@ -172,7 +267,7 @@ impl PeerLoop {
         match env.msg {
             Message::Welcome { .. } => self.on_welcome(&env),
             Message::Accepted => {
-                if let Session::AuthSent {
+                if let DealerSession::AuthSent {
                     peer_incarnation, ..
                 } = self.session
                     && env.incarnation == peer_incarnation
@@ -183,14 +278,14 @@ impl PeerLoop {
                         .peer_incarnation
                         .store(peer_incarnation, Ordering::Relaxed);
                     self.shared.mark_pong();
-                    self.set_session(Session::Established { peer_incarnation });
+                    self.set_session(DealerSession::Established { peer_incarnation });
                     self.send_bootstrapped_rooms();
                 }
             }
             Message::Reject { reason, text } => {
                 self.metrics.kv.handshake(reason.label());
                 tracing::warn!(peer = %self.addr, peer_incarnation = %format!("{:016x}", env.incarnation), reason = reason.label(), %text, "prefill refused us");
-                self.set_session(Session::Idle {
+                self.set_session(DealerSession::Idle {
                     retry_at: Instant::now() + self.timings.probe_period,
                 });
             }
@@ -203,7 +298,7 @@ impl PeerLoop {
                 {
                     self.metrics.kv.ping_rtt.observe(at.elapsed().as_secs_f64());
                 }
-                if matches!(self.session, Session::Established { .. }) {
+                if matches!(self.session, DealerSession::Established { .. }) {
                     self.shared.mark_pong();
                 }
             }
@@ -263,7 +358,7 @@ impl PeerLoop {
     }
 
     fn on_welcome(&mut self, env: &Envelope) {
-        let Session::HelloSent { init, .. } = &self.session else {
+        let DealerSession::HelloSent { init, .. } = &self.session else {
             self.metrics.kv.malformed("unexpected_type");
             return;
         };
@@ -276,7 +371,7 @@ impl PeerLoop {
         ) {
             Ok((auth, peer)) => {
                 if self.send(0, auth) {
-                    self.set_session(Session::AuthSent {
+                    self.set_session(DealerSession::AuthSent {
                         peer_incarnation: peer.peer_incarnation,
                         at: Instant::now(),
                     });
@@ -286,7 +381,7 @@ impl PeerLoop {
                 self.metrics.kv.handshake(reason.label());
                 tracing::warn!(peer = %self.addr, peer_incarnation = %format!("{:016x}", env.incarnation), reason = reason.label(), %text, "refusing the prefill");
                 self.send(0, Message::Reject { reason, text });
-                self.set_session(Session::Idle {
+                self.set_session(DealerSession::Idle {
                     retry_at: Instant::now() + self.timings.probe_period,
                 });
             }
@@ -321,7 +416,7 @@ impl PeerLoop {
         };
         self.metrics.kv.room("done", "none");
         let kv = ImportedKv {
-            payload: r.data.asm.into_payload(),
+            payload: Box::new(r.data.asm.into_payload()),
             first_token: first,
             first_logprob: lp.map(|l| TokenLogprob {
                 token: first,
@@ -343,10 +438,10 @@ impl PeerLoop {
         }) = self.rx.try_recv()
         {
             let est = match self.session {
-                Session::Established { peer_incarnation } => Some(peer_incarnation),
+                DealerSession::Established { peer_incarnation } => Some(peer_incarnation),
                 _ => None,
             };
-            let data = DecodeRoom {
+            let data = DealerRoom {
                 reply,
                 kv,
                 prompt_len: req.tokens.len(),
@@ -369,7 +464,7 @@ impl PeerLoop {
     }
 
     fn send_prefill(&mut self, room: u64) {
-        let Session::Established { peer_incarnation } = self.session else {
+        let DealerSession::Established { peer_incarnation } = self.session else {
             return;
         };
         let Some(r) = self.rooms.get_mut(room) else {
@@ -407,25 +502,25 @@ impl PeerLoop {
 
     fn drive_session(&mut self, now: Instant) {
         match &self.session {
-            Session::Idle { retry_at } if now >= *retry_at => {
+            DealerSession::Idle { retry_at } if now >= *retry_at => {
                 let init = Initiator::new(rand::random());
                 let hello = init.hello(&self.local);
                 if self.send(0, hello) {
-                    self.set_session(Session::HelloSent { init, at: now });
+                    self.set_session(DealerSession::HelloSent { init, at: now });
                 } else {
-                    self.set_session(Session::Idle {
+                    self.set_session(DealerSession::Idle {
                         retry_at: now + Duration::from_millis(200),
                     });
                 }
             }
-            Session::HelloSent { at, .. } | Session::AuthSent { at, .. }
+            DealerSession::HelloSent { at, .. } | DealerSession::AuthSent { at, .. }
                 if now.duration_since(*at) >= self.timings.bootstrap_timeout =>
             {
                 self.metrics.kv.handshake("timeout");
                 tracing::warn!(peer = %self.addr, "handshake timed out; retrying");
-                self.set_session(Session::Idle { retry_at: now });
+                self.set_session(DealerSession::Idle { retry_at: now });
             }
-            Session::Established { .. } => {
+            DealerSession::Established { .. } => {
                 let due = self
                     .last_ping
                     .is_none_or(|(_, at)| now.duration_since(at) >= self.timings.probe_period);
