@@ -2,7 +2,6 @@
 //! state, and for the PD roles the KV transfer loops.
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::thread::JoinHandle;
 
 use crate::chat::ChatTemplate;
@@ -47,6 +46,14 @@ pub fn build(cfg: &Config) -> Result<App> {
             "role '{}' needs a group key (--group-key or TANDEM_GROUP_KEY) to authenticate its KV peers",
             cfg.role.as_str()
         )));
+    }
+    if cfg.fault_injection && std::env::var("TANDEM_ALLOW_FAULT_INJECTION").as_deref() != Ok("yes")
+    {
+        return Err(Error::Model(
+            "--fault-injection is for tests only: it is refused unless the environment also \
+             sets TANDEM_ALLOW_FAULT_INJECTION=yes"
+                .into(),
+        ));
     }
     let gguf = Arc::new(Gguf::open(&cfg.model)?);
     let tok = Arc::new(Tokenizer::from_gguf(&gguf)?);
@@ -107,8 +114,9 @@ pub fn build(cfg: &Config) -> Result<App> {
         max_heartbeat_age: cfg.engine_stall(),
         header_read_timeout: cfg.http_header_timeout(),
         role: cfg.role.as_str(),
-        draining: AtomicBool::new(false),
+        shutdown: Default::default(),
         pd,
+        fault_injection: cfg.fault_injection,
     });
     Ok(App {
         state,
@@ -135,22 +143,24 @@ fn start_pd(
         group_incarnation = cfg.group_incarnation,
         "process incarnation"
     );
+    let channel = crate::pd::ChannelConfig {
+        local,
+        key,
+        timings: t,
+        limits: cfg.pd_limits(),
+    };
     Ok(match cfg.role {
         Role::Both => None,
         Role::Prefill => Some(PdRole::Prefill(crate::pd::prefill::start(
             &cfg.host,
             cfg.kv_port,
-            local,
-            key,
-            t,
+            channel,
             engine.clone(),
             metrics.clone(),
         )?)),
         Role::Decode => Some(PdRole::Decode(crate::pd::decode::start(
             &cfg.prefill_peers,
-            local,
-            key,
-            t,
+            channel,
             info,
             metrics.clone(),
         )?)),

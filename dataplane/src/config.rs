@@ -137,9 +137,18 @@ pub struct Config {
     /// No-progress limit of handshakes, rooms waiting for a session, and abort acks.
     #[arg(long, env = "TANDEM_BOOTSTRAP_TIMEOUT_SECONDS", default_value_t = 10.0, value_parser = positive_seconds)]
     pub bootstrap_timeout_seconds: f64,
-    /// No-progress limit of rooms waiting for or receiving KV.
+    /// No-progress limit of rooms waiting for or receiving KV (the prefill's PROGRESS
+    /// keeps a room alive while its engine works, so this measures silence).
     #[arg(long, env = "TANDEM_KV_TIMEOUT_SECONDS", default_value_t = 30.0, value_parser = positive_seconds)]
     pub kv_timeout_seconds: f64,
+    /// Most KV bytes in flight to one peer (sent, not yet acknowledged), in MiB; a room past
+    /// it fails at once with `send_budget`.
+    #[arg(long, env = "TANDEM_KV_SEND_BUDGET_MIB", default_value_t = 256, value_parser = at_least_one)]
+    pub kv_send_budget_mib: usize,
+    /// Tests only: serve `POST /debug/fault` (arm a panic or stall in a KV loop). Refused at
+    /// start unless the environment also sets `TANDEM_ALLOW_FAULT_INJECTION=yes`.
+    #[arg(long)]
+    pub fault_injection: bool,
 }
 
 /// Protocol timings derived from the configuration.
@@ -198,6 +207,13 @@ impl Config {
 
     pub fn engine_stall(&self) -> Duration {
         secs(self.engine_stall_seconds)
+    }
+
+    pub fn pd_limits(&self) -> crate::pd::PdLimits {
+        crate::pd::PdLimits {
+            send_budget: (self.kv_send_budget_mib as u64) << 20,
+            engine_stall: self.engine_stall(),
+        }
     }
 
     pub fn pd_timings(&self) -> PdTimings {

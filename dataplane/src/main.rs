@@ -1,13 +1,14 @@
 //! `tandem-dataplane`: parse the configuration, build the serving stack, serve until
 //! SIGTERM/SIGINT, drain, exit 0.
 
-use std::time::{Duration, Instant};
-
 use anyhow::Context;
 use clap::Parser;
 use tandem_dataplane::app;
 use tandem_dataplane::config::{Config, LogFormat};
 use tandem_dataplane::server;
+
+/// After the drain: how long stopping the KV loops and the engine thread may take.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_millis(600);
 
 fn main() -> anyhow::Result<()> {
     let cfg = Config::parse();
@@ -17,43 +18,22 @@ fn main() -> anyhow::Result<()> {
         .thread_name("tandem-http")
         .build()
         .context("starting the tokio runtime")?;
-    let result = rt.block_on(run(cfg));
-    // Threads that outlive the drain deadline (a busy engine, the KV loops) are abandoned
-    // on purpose: the process exits now rather than when they finish.
-    rt.shutdown_timeout(Duration::from_millis(500));
+    let app = app::build(&cfg).with_context(|| format!("loading {}", cfg.model.display()))?;
+    let result = rt.block_on(serve(&cfg, app.state.clone()));
+    // Every wait from here on is bounded: the process exits within the drain deadline plus
+    // about `SHUTDOWN_GRACE`, abandoning (and logging) any thread that has not ended.
+    server::finish(app.state, app.engine_thread, SHUTDOWN_GRACE);
+    rt.shutdown_timeout(std::time::Duration::from_millis(100));
     result
 }
 
-async fn run(cfg: Config) -> anyhow::Result<()> {
-    let app = app::build(&cfg).with_context(|| format!("loading {}", cfg.model.display()))?;
+async fn serve(cfg: &Config, state: std::sync::Arc<server::AppState>) -> anyhow::Result<()> {
     let addr = format!("{}:{}", cfg.host, cfg.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .with_context(|| format!("binding {addr}"))?;
     tracing::info!(addr = %listener.local_addr()?, role = cfg.role.as_str(), "listening");
-    let deadline = cfg.drain();
-    let started = Instant::now();
-    server::serve(listener, app.state.clone(), shutdown_signal(), deadline).await;
-    // The last engine handle goes with the state: the engine thread then finishes what is
-    // left and exits. Wait for it, within what remains of the drain deadline.
-    drop(app.state);
-    let left = deadline
-        .saturating_sub(started.elapsed())
-        .max(Duration::from_secs(1));
-    // A plain thread, not `spawn_blocking`: the runtime waits for its blocking tasks when
-    // it is dropped, so a join that never ends would keep the process alive forever.
-    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("tandem-join".into())
-        .spawn(move || {
-            let _ = done_tx.send(app.engine_thread.join().is_ok());
-        })
-        .context("starting the shutdown thread")?;
-    match tokio::time::timeout(left, done_rx).await {
-        Ok(Ok(true)) => tracing::info!("shutdown complete"),
-        Ok(_) => tracing::error!("engine thread panicked during shutdown"),
-        Err(_) => tracing::warn!("engine thread still busy at the drain deadline; exiting"),
-    }
+    server::serve(listener, state, shutdown_signal(), cfg.drain()).await;
     Ok(())
 }
 

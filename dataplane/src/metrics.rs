@@ -58,8 +58,15 @@ pub struct KvMetrics {
     pub blocks_in_transfer: Family<PeerLabels, Gauge>,
     /// Prefill: authenticated decode sessions it keeps state for.
     pub sessions: Gauge,
-    /// Prefill: decode sessions dropped, by reason (expired, peer_restarted, capacity).
+    /// Prefill: decode sessions dropped, by reason (expired, peer_restarted, capacity,
+    /// peer_shutdown).
     pub sessions_dropped: Family<ReasonLabels, Counter>,
+    /// Decode: PROGRESS messages that refreshed a room's deadline.
+    pub progress: Counter,
+    /// Decode: GOODBYE messages from prefills (a prefill began shutting down).
+    pub peer_goodbye: Counter,
+    /// Prefill: KV bytes sent to decodes and not yet acknowledged (CREDIT), all sessions.
+    pub bytes_in_flight: Gauge,
 }
 
 impl KvMetrics {
@@ -77,6 +84,9 @@ impl KvMetrics {
             blocks_in_transfer: Family::default(),
             sessions: Gauge::default(),
             sessions_dropped: Family::default(),
+            progress: Counter::default(),
+            peer_goodbye: Counter::default(),
+            bytes_in_flight: Gauge::default(),
         };
         r.register(
             "kv_rooms_opened",
@@ -138,11 +148,82 @@ impl KvMetrics {
             "Decode sessions the prefill dropped, with their rooms, by reason",
             m.sessions_dropped.clone(),
         );
+        r.register(
+            "kv_progress_messages",
+            "PROGRESS messages that kept a room waiting for KV alive",
+            m.progress.clone(),
+        );
+        r.register(
+            "kv_peer_goodbyes",
+            "GOODBYE messages from KV peers that began shutting down",
+            m.peer_goodbye.clone(),
+        );
+        r.register(
+            "kv_bytes_in_flight",
+            "KV bytes sent to decodes and not yet acknowledged",
+            m.bytes_in_flight.clone(),
+        );
+        m.touch_known_labels();
         m
     }
 
+    /// Create every series whose labels are known in advance, at 0, so that a dashboard (or
+    /// a test) sees a zero instead of a missing series, and a renamed label shows up as a
+    /// missing series rather than as a silent zero.
+    fn touch_known_labels(&self) {
+        use crate::kv::{FailCode, RejectReason};
+        for c in FailCode::ALL {
+            let _ = self.rooms.get_or_create(&RoomLabels {
+                state: "failed".into(),
+                reason: c.label().into(),
+            });
+        }
+        for (state, reason) in [
+            ("done", "none"),
+            ("aborted", "client_abort"),
+            ("aborted", "abort_ack_timeout"),
+            ("aborted", "shutdown"),
+        ] {
+            let _ = self.rooms.get_or_create(&RoomLabels {
+                state: state.into(),
+                reason: reason.into(),
+            });
+        }
+        for r in RejectReason::ALL {
+            let _ = self.handshakes.get_or_create(&ResultLabels {
+                result: r.label().into(),
+            });
+        }
+        for r in ["ok", "timeout"] {
+            let _ = self
+                .handshakes
+                .get_or_create(&ResultLabels { result: r.into() });
+        }
+        for r in [
+            "queue_full_or_disconnected",
+            "peer_unreachable",
+            "socket_error",
+            "byte_budget",
+        ] {
+            let _ = self
+                .send_failures
+                .get_or_create(&ResultLabels { result: r.into() });
+        }
+        for r in ["expired", "peer_restarted", "capacity", "peer_shutdown"] {
+            let _ = self
+                .sessions_dropped
+                .get_or_create(&ReasonLabels { reason: r.into() });
+        }
+        for d in ["sent", "received"] {
+            let _ = self.transfer_bytes.get_or_create(&DirectionLabels {
+                direction: d.into(),
+            });
+        }
+    }
+
     pub fn session_dropped(&self, reason: &str) {
-        self.sessions_dropped
+        let _ = self
+            .sessions_dropped
             .get_or_create(&ReasonLabels {
                 reason: reason.to_owned(),
             })
@@ -154,7 +235,7 @@ impl KvMetrics {
             state: state.to_owned(),
             reason: reason.to_owned(),
         };
-        self.rooms.get_or_create(&l).inc();
+        let _ = self.rooms.get_or_create(&l).inc();
     }
 
     pub fn malformed(&self, kind: &str) {
@@ -174,7 +255,8 @@ impl KvMetrics {
     }
 
     pub fn send_failure(&self, reason: &str) {
-        self.send_failures
+        let _ = self
+            .send_failures
             .get_or_create(&ResultLabels {
                 result: reason.to_owned(),
             })
@@ -182,7 +264,8 @@ impl KvMetrics {
     }
 
     pub fn bytes(&self, direction: &str, n: usize) {
-        self.transfer_bytes
+        let _ = self
+            .transfer_bytes
             .get_or_create(&DirectionLabels {
                 direction: direction.to_owned(),
             })
@@ -286,6 +369,33 @@ impl Metrics {
             kv_blocks_free.clone(),
         );
         let kv = KvMetrics::register(&mut registry);
+        for reason in [
+            "queue_full",
+            "queue_timeout",
+            "too_large",
+            "invalid_request",
+            "step_failed",
+            "engine_stopped",
+            "kv_transfer",
+            "client_disconnected",
+            "drain_deadline",
+            "shutdown",
+            "accept_error",
+        ] {
+            let _ = failures.get_or_create(&ReasonLabels {
+                reason: reason.into(),
+            });
+        }
+        for kind in [
+            "header_too_large",
+            "parse_error",
+            "incomplete_request",
+            "timeout",
+            "body_write_aborted",
+            "io_error",
+        ] {
+            let _ = connection_errors.get_or_create(&KindLabels { kind: kind.into() });
+        }
         Self {
             registry,
             kv,

@@ -206,6 +206,12 @@ pub enum GenEvent {
     KvExported(Vec<u8>),
     /// `Transfer::Import` only: the sequence's KV blocks are reserved; the KV may come.
     KvReserved,
+    /// `Transfer::Export` only: a chunk of the prompt was prefilled (`prefilled` of
+    /// `total` tokens); the KV transfer layer turns this into keep-alives for the peer.
+    Progress {
+        prefilled: usize,
+        total: usize,
+    },
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -262,9 +268,14 @@ pub struct EngineHandle {
 impl EngineHandle {
     /// Queue a request. Never blocks: a full channel is reported as overload.
     pub fn submit(&self, req: GenerateRequest) -> Result<tmpsc::Receiver<GenEvent>, SubmitError> {
-        // Room for every token event plus the final one, so the engine's sends never fail
-        // for lack of space however slowly the client reads.
-        let (out, rx) = tmpsc::channel(req.max_tokens + 3);
+        // Room for every token event plus the final one (and, for an export, one progress
+        // event per prompt chunk: at most one per prompt token), so the engine's sends never
+        // fail for lack of space however slowly the receiver reads.
+        let progress = match req.transfer {
+            Transfer::Export => req.prompt.len(),
+            _ => 0,
+        };
+        let (out, rx) = tmpsc::channel(req.max_tokens + 3 + progress);
         let sub = Submission {
             req,
             out,

@@ -12,7 +12,8 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
@@ -55,11 +56,56 @@ pub struct AppState {
     /// connection may wait for the next one) before the connection is closed.
     pub header_read_timeout: Duration,
     pub role: &'static str,
-    /// Set on SIGTERM: readiness fails so no new traffic is routed here while draining.
-    pub draining: AtomicBool,
+    /// Where the process is in shutting down (readiness fails while draining; requests
+    /// still in flight at the drain deadline end with a `shutdown` error).
+    pub shutdown: Shutdown,
     /// PD roles: the KV channel (readiness checks; the decode's room client).
     pub pd: Option<crate::pd::PdRole>,
+    /// `POST /debug/fault` exists (only with `--fault-injection` and
+    /// `TANDEM_ALLOW_FAULT_INJECTION=yes`; see `pd::supervise`).
+    pub fault_injection: bool,
 }
+
+/// Shutdown state shared by `serve`, `/ready` and the request handlers.
+pub struct Shutdown {
+    draining: AtomicBool,
+    /// Turns true at the drain deadline.
+    deadline: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for Shutdown {
+    fn default() -> Self {
+        Self {
+            draining: AtomicBool::new(false),
+            deadline: tokio::sync::watch::channel(false).0,
+        }
+    }
+}
+
+impl Shutdown {
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    fn begin_drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    fn deadline_passed(&self) {
+        self.deadline.send_replace(true);
+    }
+
+    /// Resolves once the drain deadline has passed (never, while serving).
+    pub async fn deadline(&self) {
+        let mut rx = self.deadline.subscribe();
+        // The guard `wait_for` returns is not Send: drop it inside the future.
+        drop(rx.wait_for(|passed| *passed).await);
+    }
+}
+
+/// After the drain deadline, how long requests still in flight get to send their
+/// `shutdown` error before their connections are closed.
+const DEADLINE_GRACE: Duration = Duration::from_millis(150);
 
 pub fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
     let mut r = Response::new(Full::new(Bytes::from(v.to_string())).boxed_unsync());
@@ -106,17 +152,71 @@ pub async fn serve(
         }
     }
     drop(listener);
-    state.draining.store(true, Ordering::Relaxed);
+    state.shutdown.begin_drain();
+    if let Some(pd) = &state.pd {
+        pd.drain();
+    }
     let _ = stop_tx.send(true);
-    tracing::info!(open_connections = conns.len(), deadline = ?drain, "draining connections");
+    tracing::info!(open_connections = conns.len(), deadline = ?drain, "draining: no new connections; in-flight requests may finish");
+    let deadline = tokio::time::Instant::now() + drain;
+    let idle =
+        |conns: &JoinSet<()>| conns.is_empty() && state.pd.as_ref().is_none_or(|p| p.is_idle());
+    while !idle(&conns) {
+        tokio::select! {
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            _ = tokio::time::sleep_until(deadline) => break,
+        }
+    }
+    if idle(&conns) {
+        tracing::info!("drained: nothing left in flight");
+        return;
+    }
+    tracing::warn!(
+        open_connections = conns.len(),
+        "drain deadline passed; ending the requests still in flight with a shutdown error"
+    );
+    state.metrics.fail("drain_deadline");
+    state.shutdown.deadline_passed();
     let all_done = async { while conns.join_next().await.is_some() {} };
-    if tokio::time::timeout(drain, all_done).await.is_err() {
+    if tokio::time::timeout(DEADLINE_GRACE, all_done)
+        .await
+        .is_err()
+    {
         tracing::warn!(
             open_connections = conns.len(),
-            "drain deadline passed; closing the rest"
+            "closing the connections left"
         );
-        state.metrics.fail("drain_deadline");
         conns.abort_all();
+    }
+}
+
+/// After `serve` returned: stop the PD loops (rooms left fail with a reason pushed to the
+/// peers, sockets close with a bounded linger), release the engine and wait for its thread.
+/// Every wait is bounded by `grace` in all; a thread still running then is abandoned on
+/// purpose (logged): the process exits without it.
+pub fn finish(state: Arc<AppState>, engine_thread: JoinHandle<()>, grace: Duration) {
+    let start = Instant::now();
+    if let Some(pd) = &state.pd {
+        let left = pd.stop(start + grace / 2);
+        if left.is_empty() {
+            tracing::info!("KV loops stopped");
+        } else {
+            tracing::warn!(loops = ?left, "KV loops still running at the deadline; abandoned");
+        }
+    }
+    // The last engine handles go with the state (the prefill's loop dropped its own): the
+    // engine thread then ends what is left and exits.
+    drop(state);
+    while !engine_thread.is_finished() && start.elapsed() < grace {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if !engine_thread.is_finished() {
+        tracing::warn!("engine thread still busy at the shutdown deadline; abandoned");
+    } else if engine_thread.join().is_err() {
+        tracing::error!("engine thread panicked during shutdown");
+    } else {
+        tracing::info!("shutdown complete");
     }
 }
 
@@ -194,6 +294,9 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
         (Method::GET, "/ready") => Ok(ready(&state)),
         (Method::GET, "/metrics") => Ok(metrics(&state)),
         (Method::GET, "/v1/models") => Ok(models(&state)),
+        (Method::POST, "/debug/fault") if state.fault_injection => {
+            debug_fault(&state, req.uri().query())
+        }
         (Method::POST, "/v1/chat/completions") => match body(req).await {
             Ok(b) => completions::chat(state.clone(), b).await,
             Err(e) => Err(e),
@@ -255,47 +358,130 @@ async fn body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
     }
 }
 
-fn ready(state: &AppState) -> Response<Body> {
+/// Version of the `/ready` body's format (docs/readiness.md); bumped on any change that
+/// could break a reader.
+pub const READY_FORMAT: u32 = 1;
+
+/// Every `/ready` check of this process: the engine, the drain, and the PD channel.
+pub fn ready_checks(state: &AppState) -> Vec<crate::pd::Check> {
+    use crate::pd::Check;
     let health = state.engine.health();
     let age = health.heartbeat_age();
-    let engine_ok = !health.stopped() && age <= state.max_heartbeat_age;
-    let draining = state.draining.load(Ordering::Relaxed);
-    let checks = json!([
-        {
-            "name": "engine_heartbeat",
-            "ok": engine_ok,
-            "detail": if health.stopped() {
-                "engine thread stopped".to_owned()
+    let engine = if health.stopped() {
+        Check::new(
+            "engine_heartbeat",
+            false,
+            "engine_stopped",
+            "engine thread stopped".into(),
+        )
+    } else {
+        Check::new(
+            "engine_heartbeat",
+            age <= state.max_heartbeat_age,
+            "engine_stalled",
+            format!(
+                "engine loop last went round {} ms ago (limit {} ms)",
+                age.as_millis(),
+                state.max_heartbeat_age.as_millis()
+            ),
+        )
+    };
+    let draining = state.shutdown.is_draining();
+    let mut checks = vec![
+        engine,
+        Check::new(
+            "not_draining",
+            !draining,
+            "draining",
+            if draining {
+                "shutting down: not accepting new requests".into()
             } else {
-                format!("engine loop last went round {} ms ago (limit {} ms)", age.as_millis(), state.max_heartbeat_age.as_millis())
+                "accepting requests".into()
             },
-        },
-        {
-            "name": "not_draining",
-            "ok": !draining,
-            "detail": if draining { "shutting down: not accepting new requests" } else { "accepting requests" },
-        },
-    ]);
-    let mut checks = checks;
-    let mut pd_ok = true;
+        ),
+    ];
     if let Some(pd) = &state.pd {
-        for c in pd.checks() {
-            pd_ok &= c.ok;
-            if let Value::Array(a) = &mut checks {
-                a.push(json!({"name": c.name, "ok": c.ok, "detail": c.detail}));
-            }
-        }
+        checks.extend(pd.checks());
     }
-    let ok = engine_ok && !draining && pd_ok;
-    let status = if ok {
+    checks
+}
+
+/// The `/ready` body (format in docs/readiness.md): `ready`, and when not, the first
+/// failing check's `reason` and `message`; every check; every KV peer with its state and
+/// last refusal and failure.
+pub fn ready_body(state: &AppState) -> Value {
+    let checks = ready_checks(state);
+    let failing = checks.iter().find(|c| !c.ok);
+    let peers: Vec<Value> = state
+        .pd
+        .as_ref()
+        .map(|pd| pd.peers().iter().map(|p| p.to_json()).collect())
+        .unwrap_or_default();
+    json!({
+        "format": READY_FORMAT,
+        "ready": failing.is_none(),
+        "role": state.role,
+        "reason": failing.map(|c| c.reason.clone()),
+        "message": failing.map(|c| format!("{}: {}", c.name, c.detail)),
+        "checks": checks
+            .iter()
+            .map(|c| json!({"name": c.name, "ok": c.ok, "reason": c.reason, "detail": c.detail}))
+            .collect::<Vec<_>>(),
+        "peers": peers,
+    })
+}
+
+fn ready(state: &AppState) -> Response<Body> {
+    let body = ready_body(state);
+    let status = if body["ready"] == true {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    json_response(
-        status,
-        &json!({"ready": ok, "role": state.role, "checks": checks}),
-    )
+    json_response(status, &body)
+}
+
+/// `POST /debug/fault?loop=<name>&fault=panic|stall&ms=<n>`: arm a one-shot fault in a KV
+/// loop (fault injection for tests; routed only when `state.fault_injection`).
+fn debug_fault(state: &AppState, query: Option<&str>) -> Result<Response<Body>, ApiError> {
+    let param = |k: &str| {
+        query
+            .unwrap_or("")
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .find(|(key, _)| *key == k)
+            .map(|(_, v)| v.to_owned())
+    };
+    let name = param("loop").ok_or_else(|| ApiError::invalid(Some("loop"), "missing 'loop'"))?;
+    let fault = match param("fault").as_deref() {
+        Some("panic") => crate::pd::Fault::Panic,
+        Some("stall") => {
+            let ms: u64 = param("ms")
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| ApiError::invalid(Some("ms"), "'ms' must be a whole number"))?;
+            crate::pd::Fault::Stall(Duration::from_millis(ms))
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                Some("fault"),
+                "'fault' must be 'panic' or 'stall'",
+            ));
+        }
+    };
+    let loops = state.pd.as_ref().map(|pd| pd.loops()).unwrap_or_default();
+    let Some(h) = loops.iter().find(|h| h.name == name) else {
+        let names: Vec<&str> = loops.iter().map(|h| h.name.as_str()).collect();
+        return Err(ApiError::invalid(
+            Some("loop"),
+            format!("no loop named {name:?}; loops: {names:?}"),
+        ));
+    };
+    tracing::warn!(r#loop = %name, ?fault, "fault injected on request");
+    h.inject(fault);
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"loop": name, "fault": format!("{fault:?}")}),
+    ))
 }
 
 fn metrics(state: &AppState) -> Response<Body> {

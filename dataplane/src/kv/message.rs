@@ -20,6 +20,9 @@ pub enum MsgType {
     AbortAck = 11,
     Ping = 12,
     Pong = 13,
+    Progress = 14,
+    Credit = 15,
+    Goodbye = 16,
 }
 
 impl MsgType {
@@ -39,6 +42,9 @@ impl MsgType {
             11 => AbortAck,
             12 => Ping,
             13 => Pong,
+            14 => Progress,
+            15 => Credit,
+            16 => Goodbye,
             _ => return None,
         })
     }
@@ -46,7 +52,10 @@ impl MsgType {
     /// Whether the header's room id must be non-zero (room messages) or zero (the rest).
     fn has_room(self) -> bool {
         use MsgType::*;
-        matches!(self, Prefill | KvChunk | Done | Failed | Abort | AbortAck)
+        matches!(
+            self,
+            Prefill | KvChunk | Done | Failed | Abort | AbortAck | Progress
+        )
     }
 }
 
@@ -86,6 +95,8 @@ codes!(
         AuthFailed = 5 => "auth_failed",
         NotAuthenticated = 6 => "not_authenticated",
         Malformed = 7 => "malformed",
+        ShuttingDown = 8 => "shutting_down",
+        SessionExpired = 9 => "peer_expired",
     }
 );
 
@@ -109,6 +120,8 @@ codes!(
         Incomplete = 15 => "incomplete_kv",
         Shutdown = 16 => "shutdown",
         PeerExpired = 17 => "peer_expired",
+        PeerShutdown = 18 => "peer_shutdown",
+        SendBudget = 19 => "send_budget",
     }
 );
 
@@ -233,6 +246,23 @@ pub enum Message {
         nonce: u64,
         timestamp_us: u64,
     },
+    /// Prefill → decode: the room is still being worked on (`done` of `total` prompt
+    /// tokens prefilled), so the decode's no-progress deadline measures silence.
+    Progress {
+        done: u32,
+        total: u32,
+    },
+    /// Decode → prefill: KV chunk data bytes received from this prefill since the session
+    /// was established; the prefill's unacknowledged bytes are what it sent minus this.
+    Credit {
+        consumed: u64,
+    },
+    /// Either side: this process is shutting down (or leaving the session); the receiver
+    /// stops sending it new work. Rooms in flight end by their own messages.
+    Goodbye {
+        reason: FailCode,
+        text: String,
+    },
 }
 
 impl Message {
@@ -251,6 +281,9 @@ impl Message {
             Self::AbortAck => MsgType::AbortAck,
             Self::Ping { .. } => MsgType::Ping,
             Self::Pong { .. } => MsgType::Pong,
+            Self::Progress { .. } => MsgType::Progress,
+            Self::Credit { .. } => MsgType::Credit,
+            Self::Goodbye { .. } => MsgType::Goodbye,
         }
     }
 }
@@ -367,10 +400,15 @@ fn encode_payload(m: &Message) -> Vec<u8> {
             w.u8(reason.code());
             w.str16(text, MAX_TEXT);
         }
-        Message::Failed { reason, text } => {
+        Message::Failed { reason, text } | Message::Goodbye { reason, text } => {
             w.u8(reason.code());
             w.str16(text, MAX_TEXT);
         }
+        Message::Progress { done, total } => {
+            w.u32(*done);
+            w.u32(*total);
+        }
+        Message::Credit { consumed } => w.u64(*consumed),
         Message::Prefill(p) => {
             w.u32(p.tokens.len() as u32);
             for &t in &p.tokens {
@@ -584,12 +622,21 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
                 .ok_or_else(|| DecodeError::BadValue(format!("reject reason {c}")))?;
             Message::Reject { reason, text }
         }
-        MsgType::Failed => {
+        MsgType::Failed | MsgType::Goodbye => {
             let (c, text) = reason_text(&mut r)?;
             let reason = FailCode::from_code(c)
                 .ok_or_else(|| DecodeError::BadValue(format!("failure code {c}")))?;
-            Message::Failed { reason, text }
+            if t == MsgType::Failed {
+                Message::Failed { reason, text }
+            } else {
+                Message::Goodbye { reason, text }
+            }
         }
+        MsgType::Progress => Message::Progress {
+            done: r.u32()?,
+            total: r.u32()?,
+        },
+        MsgType::Credit => Message::Credit { consumed: r.u64()? },
         MsgType::Prefill => {
             let n = r.u32()? as usize;
             if n == 0 || n > MAX_TOKENS {

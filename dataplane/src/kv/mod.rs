@@ -40,6 +40,31 @@
 //! | 11   | ABORT_ACK | ≠0   | (empty)                                                   |
 //! | 12   | PING      | 0    | u64 nonce, u64 sender timestamp (µs)                      |
 //! | 13   | PONG      | 0    | u64 nonce, u64 timestamp echoed from the PING             |
+//! | 14   | PROGRESS  | ≠0   | u32 prompt tokens prefilled so far, u32 prompt tokens in all |
+//! | 15   | CREDIT    | 0    | u64 KV chunk data bytes received from this peer since the session was established |
+//! | 16   | GOODBYE   | 0    | u8 reason code (a FAILED code, normally `shutdown`), text str16 |
+//!
+//! Reason codes: REJECT uses [`RejectReason`], FAILED and GOODBYE use [`FailCode`]; both are
+//! listed with their numbers and labels in `message.rs`.
+//!
+//! # Liveness, progress and flow control (version 3)
+//!
+//! - **PROGRESS** (prefill → decode) is sent for every room the prefill holds, at most once
+//!   per `min(probe period, KV timeout / 4)`, while its engine loop is going round: the
+//!   decode's no-progress deadline of a room (`--kv-timeout-seconds`) then measures
+//!   silence, not the length of the prompt or the queue in front of it. An engine that
+//!   stops going round stops the PROGRESS, and the deadline fires as before.
+//! - **CREDIT** (decode → prefill) after every batch of KV chunks the decode received: the
+//!   running total of chunk data bytes. The prefill's bytes in flight to a decode are the
+//!   chunk bytes it handed to ZeroMQ for that session minus the last CREDIT; a room whose
+//!   KV would take them past `--kv-send-budget-mib` fails at once (`send_budget`, pushed
+//!   as FAILED) instead of being queued, so a decode that stops reading pins at most the
+//!   budget (or one room's KV, when nothing else is in flight).
+//! - **GOODBYE** (either side) when a process starts shutting down. A prefill sends it when
+//!   its drain begins: the decode stops opening rooms there and reports the peer as
+//!   `peer_shutdown`; rooms in flight still finish, and those left at the prefill's drain
+//!   deadline fail with FAILED(`shutdown`), which the decode counts as `peer_shutdown`. A
+//!   decode sends it when it stops: the prefill drops the session and its rooms at once.
 //!
 //! A KV_CHUNK payload is its 36-byte prefix ([`CHUNK_PREFIX`]) then the data. The sender
 //! builds that frame once, straight from the exported KV, and hands the buffer to ZeroMQ
@@ -75,8 +100,10 @@ pub use message::{
 };
 
 /// Wire protocol version; bumped on any incompatible change of a payload (2: the chunk
-/// checksum is CRC-32C instead of the IEEE CRC-32).
-pub const PROTOCOL_VERSION: u16 = 2;
+/// checksum is CRC-32C instead of the IEEE CRC-32; 3: PROGRESS, CREDIT and GOODBYE, REJECT
+/// reasons `shutting_down` and `peer_expired`, FAILED codes `peer_shutdown` and
+/// `send_budget`). A peer of another version is refused in the handshake with the reason.
+pub const PROTOCOL_VERSION: u16 = 3;
 pub const MAGIC: &[u8; 4] = b"TKVP";
 pub const HEADER_LEN: usize = 36;
 /// Largest payload accepted (one KV chunk is at most [`chunks::MAX_CHUNK`]).

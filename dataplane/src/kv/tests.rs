@@ -115,6 +115,10 @@ fn message() -> impl Strategy<Value = Message> {
             nonce,
             timestamp_us
         }),
+        (any::<u32>(), any::<u32>()).prop_map(|(done, total)| Message::Progress { done, total }),
+        any::<u64>().prop_map(|consumed| Message::Credit { consumed }),
+        (prop::sample::select(FailCode::ALL), text())
+            .prop_map(|(reason, text)| Message::Goodbye { reason, text }),
     ]
 }
 
@@ -128,6 +132,7 @@ fn envelope() -> impl Strategy<Value = Envelope> {
                 | MsgType::Failed
                 | MsgType::Abort
                 | MsgType::AbortAck
+                | MsgType::Progress
         ) {
             room
         } else {

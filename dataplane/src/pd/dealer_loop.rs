@@ -1,17 +1,19 @@
 //! The decode's loop for one prefill (`DealerLoop`): owns the DEALER socket; handshakes by
 //! itself (again whenever the prefill shows a new incarnation), probes with PING/PONG, opens
-//! rooms for HTTP requests, validates and reassembles KV chunks, aborts rooms whose client
-//! left, and enforces each room's no-progress deadline. The types the decode's HTTP side
-//! shares with the loop (`Command`, `PeerShared`, `RoomFailure`) live here with it.
+//! rooms for HTTP requests, validates and reassembles KV chunks and acknowledges them
+//! (CREDIT), aborts rooms whose client left, and enforces each room's no-progress deadline
+//! (refreshed by the prefill's PROGRESS). The types the decode's HTTP side shares with the
+//! loop (`Command`, `PeerShared`, `RoomFailure`) live here with it.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc as tmpsc;
 
-use super::supervise::Supervised;
+use super::report::{Problem, ProblemSlot};
+use super::supervise::{Lifecycle, Phase, Supervised};
 use super::{LoopHealth, random_id, wire};
 use crate::config::PdTimings;
 use crate::kv::auth::{GroupKey, Initiator, LocalIdentity};
@@ -41,14 +43,25 @@ pub(super) enum Command {
     },
 }
 
+/// `PeerShared::state` values.
+pub(super) const STATE_IDLE: u8 = 0;
+pub(super) const STATE_HANDSHAKING: u8 = 1;
+pub(super) const STATE_ESTABLISHED: u8 = 2;
+
 /// What `/ready` and the router read about one peer (written by its loop only).
 pub(super) struct PeerShared {
     pub(super) base: Instant,
     pub(super) established: AtomicBool,
+    /// One of the `STATE_*` values.
+    pub(super) state: AtomicU8,
+    /// The prefill said GOODBYE (it is shutting down): no new rooms go there.
+    pub(super) peer_draining: AtomicBool,
     pub(super) peer_incarnation: AtomicU64,
     /// ms since `base` of the last PONG (or handshake completion).
     pub(super) last_pong_ms: AtomicU64,
     pub(super) in_flight: AtomicUsize,
+    pub(super) last_refusal: ProblemSlot,
+    pub(super) last_failure: ProblemSlot,
 }
 
 impl PeerShared {
@@ -56,9 +69,13 @@ impl PeerShared {
         Self {
             base: Instant::now(),
             established: AtomicBool::new(false),
+            state: AtomicU8::new(STATE_IDLE),
+            peer_draining: AtomicBool::new(false),
             peer_incarnation: AtomicU64::new(0),
             last_pong_ms: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
+            last_refusal: ProblemSlot::default(),
+            last_failure: ProblemSlot::default(),
         }
     }
 
@@ -91,6 +108,16 @@ struct DealerRoom {
     prompt_len: usize,
     asm: Assembler,
     peer_incarnation: u64,
+    /// The prefill has said something about this room since its PREFILL went out; until
+    /// then the PREFILL's bytes count against the send budget.
+    answered: bool,
+}
+
+impl DealerRoom {
+    /// Wire bytes of this room's PREFILL (tokens and sampling parameters).
+    fn prefill_bytes(&self) -> u64 {
+        64 + 4 * self.prompt_len as u64
+    }
 }
 
 pub(super) struct DealerLoop {
@@ -102,13 +129,20 @@ pub(super) struct DealerLoop {
     timings: PdTimings,
     /// Upper bound of one prompt token's KV bytes, to refuse oversized KV.
     per_token: u64,
+    /// Most PREFILL bytes outstanding (sent, no answer yet) to this prefill.
+    send_budget: u64,
     metrics: Arc<Metrics>,
     health: Arc<LoopHealth>,
     shared: Arc<PeerShared>,
+    lifecycle: Arc<Lifecycle>,
     rx: Receiver<Command>,
     session: DealerSession,
     rooms: RoomTable<DealerRoom>,
     last_ping: Option<(u64, Instant)>,
+    /// KV chunk data bytes received in this session, and the total last acknowledged.
+    consumed: u64,
+    credited: u64,
+    stopped: bool,
     /// Reassembly buffers reused across rooms (shared by every peer loop).
     pool: BufferPool,
 }
@@ -122,8 +156,10 @@ pub(super) struct DealerConfig {
     pub(super) key: GroupKey,
     pub(super) timings: PdTimings,
     pub(super) per_token: u64,
+    pub(super) send_budget: u64,
     pub(super) metrics: Arc<Metrics>,
     pub(super) pool: BufferPool,
+    pub(super) lifecycle: Arc<Lifecycle>,
 }
 
 impl DealerLoop {
@@ -142,15 +178,20 @@ impl DealerLoop {
             key: c.key,
             timings: c.timings,
             per_token: c.per_token,
+            send_budget: c.send_budget,
             metrics: c.metrics,
             health,
             shared,
+            lifecycle: c.lifecycle,
             rx,
             session: DealerSession::Idle {
                 retry_at: Instant::now(),
             },
             rooms: RoomTable::new(deadlines, 65_536),
             last_ping: None,
+            consumed: 0,
+            credited: 0,
+            stopped: false,
             pool: c.pool,
         }
     }
@@ -160,6 +201,10 @@ impl Supervised for DealerLoop {
     fn run(&mut self) {
         loop {
             self.health.beat();
+            if self.lifecycle.phase() == Phase::Stop {
+                self.shutdown();
+                return;
+            }
             self.health.fault_point();
             wire::wait_readable(&self.sock);
             for _ in 0..wire::RECV_BATCH {
@@ -168,6 +213,7 @@ impl Supervised for DealerLoop {
                 };
                 self.on_frames(frames);
             }
+            self.send_credit();
             self.commands();
             let now = Instant::now();
             self.drive_session(now);
@@ -204,9 +250,21 @@ impl DealerLoop {
     }
 
     fn set_session(&mut self, s: DealerSession) {
-        let est = matches!(s, DealerSession::Established { .. });
+        let (est, state) = match s {
+            DealerSession::Established { .. } => (true, STATE_ESTABLISHED),
+            DealerSession::Idle { .. } => (false, STATE_IDLE),
+            _ => (false, STATE_HANDSHAKING),
+        };
         self.shared.established.store(est, Ordering::Relaxed);
+        self.shared.state.store(state, Ordering::Relaxed);
         self.session = s;
+    }
+
+    /// Remember why the channel is not established, for `/ready`.
+    fn refused(&self, reason: &str, message: impl Into<String>) {
+        self.shared
+            .last_refusal
+            .set(Problem::new(reason, message.into()));
     }
 
     fn known_incarnation(&self) -> Option<u64> {
@@ -216,6 +274,20 @@ impl DealerLoop {
             }
             | DealerSession::Established { peer_incarnation } => Some(peer_incarnation),
             _ => None,
+        }
+    }
+
+    /// Fail the rooms that belong to another prefill incarnation than `current` (rule 4).
+    fn fail_rooms_of_old_incarnations(&mut self, current: u64) {
+        for id in self.rooms.ids() {
+            let stale = self.rooms.get(id).is_some_and(|r| {
+                r.data.req.is_none()
+                    && r.data.peer_incarnation != current
+                    && r.state != RoomState::Aborting
+            });
+            if stale {
+                self.fail_room(id, FailCode::PeerRestarted, "prefill restarted", false);
+            }
         }
     }
 
@@ -235,15 +307,14 @@ impl DealerLoop {
         {
             self.metrics.kv.peer_incarnation_changes.inc();
             tracing::warn!(peer = %self.addr, old_incarnation = known, new_incarnation = hdr.incarnation, "prefill restarted; failing its rooms and handshaking again");
-            for id in self.rooms.ids() {
-                if self
-                    .rooms
-                    .get(id)
-                    .is_some_and(|r| r.data.peer_incarnation == known)
-                {
-                    self.fail_room(id, FailCode::PeerRestarted, "prefill restarted", false);
-                }
-            }
+            self.refused(
+                FailCode::PeerRestarted.label(),
+                format!(
+                    "prefill incarnation changed from {known:016x} to {:016x}",
+                    hdr.incarnation
+                ),
+            );
+            self.fail_rooms_of_old_incarnations(hdr.incarnation);
             self.set_session(DealerSession::Idle {
                 retry_at: Instant::now(),
             });
@@ -253,6 +324,11 @@ impl DealerLoop {
         }
         let msg = match decoded {
             Decoded::Chunk(c) => {
+                // Every chunk this session received counts for the CREDIT, whether its room
+                // is still wanted or not: the prefill spent budget on it either way.
+                if matches!(self.session, DealerSession::Established { .. }) {
+                    self.consumed += c.data.len() as u64;
+                }
                 self.on_chunk(hdr.room, c);
                 return;
             }
@@ -277,14 +353,19 @@ impl DealerLoop {
                     self.shared
                         .peer_incarnation
                         .store(peer_incarnation, Ordering::Relaxed);
+                    self.shared.peer_draining.store(false, Ordering::Relaxed);
                     self.shared.mark_pong();
+                    self.consumed = 0;
+                    self.credited = 0;
                     self.set_session(DealerSession::Established { peer_incarnation });
+                    self.fail_rooms_of_old_incarnations(peer_incarnation);
                     self.send_bootstrapped_rooms();
                 }
             }
             Message::Reject { reason, text } => {
                 self.metrics.kv.handshake(reason.label());
                 tracing::warn!(peer = %self.addr, peer_incarnation = %format!("{:016x}", env.incarnation), reason = reason.label(), %text, "prefill refused us");
+                self.refused(reason.label(), format!("the prefill refused us: {text}"));
                 self.set_session(DealerSession::Idle {
                     retry_at: Instant::now() + self.timings.probe_period,
                 });
@@ -302,6 +383,21 @@ impl DealerLoop {
                     self.shared.mark_pong();
                 }
             }
+            Message::Progress { .. } => self.on_progress(env.room),
+            Message::Goodbye { reason, text } => {
+                tracing::warn!(peer = %self.addr, peer_incarnation = %format!("{:016x}", env.incarnation), reason = reason.label(), %text, "prefill is leaving; no new rooms go there");
+                self.metrics.kv.peer_goodbye.inc();
+                self.shared.peer_draining.store(true, Ordering::Relaxed);
+                self.refused(
+                    FailCode::PeerShutdown.label(),
+                    format!("the prefill said goodbye: {text}"),
+                );
+                // Rooms in flight finish by their own messages; a new handshake is tried
+                // (and refused until the prefill is gone or replaced).
+                self.set_session(DealerSession::Idle {
+                    retry_at: Instant::now() + self.timings.probe_period,
+                });
+            }
             Message::Done {
                 first_token,
                 prompt_tokens,
@@ -313,6 +409,12 @@ impl DealerLoop {
                     .get(env.room)
                     .is_some_and(|r| r.state != RoomState::Aborting)
                 {
+                    // The prefill failing a room because it shuts down is, seen from here,
+                    // the peer shutting down.
+                    let reason = match reason {
+                        FailCode::Shutdown => FailCode::PeerShutdown,
+                        r => r,
+                    };
                     self.fail_room(env.room, reason, &text, false);
                 }
             }
@@ -330,6 +432,20 @@ impl DealerLoop {
         }
     }
 
+    /// The prefill is still working on `room`: its no-progress deadline starts again.
+    fn on_progress(&mut self, room: u64) {
+        let Some(r) = self.rooms.get_mut(room) else {
+            return; // late news of a room that ended; nothing to do (rule 2)
+        };
+        r.data.answered = true;
+        if r.state == RoomState::WaitingKv {
+            let _ = self
+                .rooms
+                .advance(room, RoomState::WaitingKv, Instant::now());
+            self.metrics.kv.progress.inc();
+        }
+    }
+
     /// Validate one KV chunk and copy its data (read in place from the received frame)
     /// into the room's reassembly buffer.
     fn on_chunk(&mut self, room: u64, c: KvChunkRef<'_>) {
@@ -341,6 +457,7 @@ impl DealerLoop {
         if r.state == RoomState::Aborting {
             return; // late data of an aborted room; the ack will follow
         }
+        r.data.answered = true;
         let limit = 64 + self.per_token * r.data.prompt_len as u64;
         let n = c.data.len();
         match r.data.asm.push(c, limit) {
@@ -354,6 +471,21 @@ impl DealerLoop {
                 self.metrics.kv.malformed("bad_chunk");
                 self.fail_room(room, FailCode::BadChunk, &e.to_string(), true);
             }
+        }
+    }
+
+    /// Acknowledge the KV bytes received so far (flow control, see the `kv` module header).
+    fn send_credit(&mut self) {
+        if self.consumed != self.credited
+            && matches!(self.session, DealerSession::Established { .. })
+            && self.send(
+                0,
+                Message::Credit {
+                    consumed: self.consumed,
+                },
+            )
+        {
+            self.credited = self.consumed;
         }
     }
 
@@ -380,6 +512,7 @@ impl DealerLoop {
             Err((reason, text)) => {
                 self.metrics.kv.handshake(reason.label());
                 tracing::warn!(peer = %self.addr, peer_incarnation = %format!("{:016x}", env.incarnation), reason = reason.label(), %text, "refusing the prefill");
+                self.refused(reason.label(), format!("we refused the prefill: {text}"));
                 self.send(0, Message::Reject { reason, text });
                 self.set_session(DealerSession::Idle {
                     retry_at: Instant::now() + self.timings.probe_period,
@@ -448,6 +581,7 @@ impl DealerLoop {
                 req: Some(req),
                 asm: Assembler::with_pool(self.pool.clone()),
                 peer_incarnation: est.unwrap_or(0),
+                answered: false,
             };
             if let Err(e) = self
                 .rooms
@@ -463,13 +597,37 @@ impl DealerLoop {
         }
     }
 
+    /// PREFILL bytes sent to the prefill that it has not answered yet.
+    fn outstanding_prefill_bytes(&self) -> u64 {
+        self.rooms
+            .iter()
+            .filter(|(_, r)| r.data.req.is_none() && !r.data.answered)
+            .map(|(_, r)| r.data.prefill_bytes())
+            .sum()
+    }
+
     fn send_prefill(&mut self, room: u64) {
         let DealerSession::Established { peer_incarnation } = self.session else {
             return;
         };
+        let outstanding = self.outstanding_prefill_bytes();
         let Some(r) = self.rooms.get_mut(room) else {
             return;
         };
+        if r.data.req.is_none() {
+            return;
+        }
+        // Rule 10 in bytes: a prefill that stops answering pins at most the budget here.
+        let bytes = r.data.prefill_bytes();
+        if outstanding > 0 && outstanding + bytes > self.send_budget {
+            self.metrics.kv.send_failure("byte_budget");
+            let text = format!(
+                "{outstanding} bytes of PREFILL unanswered by this prefill; {bytes} more would pass the send budget of {} bytes",
+                self.send_budget
+            );
+            self.fail_room(room, FailCode::SendBudget, &text, false);
+            return;
+        }
         let Some(req) = r.data.req.take() else {
             return;
         };
@@ -508,6 +666,14 @@ impl DealerLoop {
                 if self.send(0, hello) {
                     self.set_session(DealerSession::HelloSent { init, at: now });
                 } else {
+                    // No connection to send on (the DEALER queues only on live ones).
+                    let known = self.shared.last_refusal.get();
+                    if known.is_none_or(|p| p.reason != "peer_unreachable") {
+                        self.refused(
+                            "peer_unreachable",
+                            format!("no connection to the prefill at {}", self.addr),
+                        );
+                    }
                     self.set_session(DealerSession::Idle {
                         retry_at: now + Duration::from_millis(200),
                     });
@@ -518,6 +684,14 @@ impl DealerLoop {
             {
                 self.metrics.kv.handshake("timeout");
                 tracing::warn!(peer = %self.addr, "handshake timed out; retrying");
+                self.refused(
+                    "handshake_timeout",
+                    format!(
+                        "no handshake answer from {} within {} ms",
+                        self.addr,
+                        self.timings.bootstrap_timeout.as_millis()
+                    ),
+                );
                 self.set_session(DealerSession::Idle { retry_at: now });
             }
             DealerSession::Established { .. } => {
@@ -580,6 +754,10 @@ impl DealerLoop {
         }
         self.metrics.kv.room("failed", code.label());
         tracing::warn!(room = id, peer = %self.addr, peer_incarnation = %format!("{:016x}", r.data.peer_incarnation), reason = code.label(), %text, "room failed");
+        self.shared.last_failure.set(Problem::new(
+            code.label(),
+            format!("room {id:016x}: {text}"),
+        ));
         let _ = r.data.reply.try_send(Err(RoomFailure {
             code,
             message: format!("KV transfer failed ({}): {text}", code.label()),
@@ -603,6 +781,43 @@ impl DealerLoop {
                 true,
             );
         }
+    }
+
+    /// The process is stopping: fail every room left (pushing FAILED to the prefill for
+    /// those it knows), say GOODBYE so the prefill drops this session at once, and close
+    /// the socket with a bounded linger.
+    fn shutdown(&mut self) {
+        if self.stopped {
+            return;
+        }
+        self.stopped = true;
+        for id in self.rooms.ids() {
+            if self
+                .rooms
+                .get(id)
+                .is_some_and(|r| r.state == RoomState::Aborting)
+            {
+                self.rooms.finish(id, RoomState::Aborted);
+                self.metrics.kv.room("aborted", "shutdown");
+                continue;
+            }
+            self.fail_room(id, FailCode::Shutdown, "the decode is shutting down", true);
+        }
+        if matches!(self.session, DealerSession::Established { .. }) {
+            self.send(
+                0,
+                Message::Goodbye {
+                    reason: FailCode::Shutdown,
+                    text: "the decode is shutting down".into(),
+                },
+            );
+        }
+        self.set_session(DealerSession::Idle {
+            retry_at: Instant::now() + Duration::from_secs(3600),
+        });
+        self.publish();
+        wire::set_close_linger(&self.sock);
+        tracing::info!(peer = %self.addr, "KV loop stopped");
     }
 
     fn publish(&self) {

@@ -5,16 +5,20 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc as tmpsc;
 
-use super::dealer_loop::{Command, DealerConfig, DealerLoop, PeerShared, RoomFailure};
+use super::dealer_loop::{
+    Command, DealerConfig, DealerLoop, PeerShared, RoomFailure, STATE_ESTABLISHED,
+    STATE_HANDSHAKING,
+};
+use super::report::PeerReport;
+use super::supervise::{Lifecycle, LoopThreads};
 use super::wire;
-use super::{Check, LoopHealth, loop_stale_after, random_id, supervise};
+use super::{ChannelConfig, Check, LoopHealth, loop_check, loop_stale_after, random_id, supervise};
 use crate::config::PdTimings;
 use crate::engine_api::ModelInfo;
-use crate::kv::auth::{GroupKey, LocalIdentity};
 use crate::kv::{FailCode, PrefillRequest};
 use crate::metrics::Metrics;
 use crate::sampling::SamplingParams;
@@ -32,17 +36,23 @@ pub struct DecodeHandle {
     rotate: AtomicUsize,
     timings: PdTimings,
     stale_after: Duration,
+    lifecycle: Arc<Lifecycle>,
+    threads: LoopThreads,
 }
 
 /// Start one loop per prefill address (`host:port`).
 pub fn start(
     addrs: &[String],
-    local: LocalIdentity,
-    key: GroupKey,
-    timings: PdTimings,
+    channel: ChannelConfig,
     info: &ModelInfo,
     metrics: Arc<Metrics>,
 ) -> crate::Result<DecodeHandle> {
+    let ChannelConfig {
+        local,
+        key,
+        timings,
+        limits,
+    } = channel;
     if addrs.is_empty() {
         return Err(crate::Error::Model(
             "role decode needs at least one --prefill address".into(),
@@ -52,6 +62,8 @@ pub fn start(
     let per_token = (info.n_layers * 2 * info.n_kv_heads * info.head_dim * 4) as u64;
     let ctx = zmq::Context::new();
     let pool = crate::kv::chunks::BufferPool::default();
+    let lifecycle = Arc::new(Lifecycle::default());
+    let threads = LoopThreads::default();
     let mut peers = Vec::new();
     for (i, addr) in addrs.iter().enumerate() {
         let io = |e: zmq::Error| crate::Error::Io {
@@ -77,14 +89,18 @@ pub fn start(
             key: key.clone(),
             timings,
             per_token,
+            send_budget: limits.send_budget,
             metrics: metrics.clone(),
             pool: pool.clone(),
+            lifecycle: lifecycle.clone(),
         };
         let body = DealerLoop::new(config, health.clone(), shared.clone(), rx);
-        supervise(body, health.clone(), metrics.clone()).map_err(|e| crate::Error::Io {
-            path: "KV loop thread".into(),
-            source: e,
-        })?;
+        let thread =
+            supervise(body, health.clone(), metrics.clone()).map_err(|e| crate::Error::Io {
+                path: "KV loop thread".into(),
+                source: e,
+            })?;
+        threads.push(health.name.clone(), thread);
         peers.push(Peer {
             addr: addr.clone(),
             tx,
@@ -97,7 +113,20 @@ pub fn start(
         rotate: AtomicUsize::new(0),
         timings,
         stale_after: loop_stale_after(timings.probe_period),
+        lifecycle,
+        threads,
     })
+}
+
+/// The least-loaded of the usable peers (`None` = not usable, `Some(rooms)` = its rooms in
+/// flight); ties go to the first one from `start` on, so idle peers take turns.
+pub(super) fn least_loaded(loads: &[Option<usize>], start: usize) -> Option<usize> {
+    let n = loads.len();
+    (0..n)
+        .map(|i| (start + i) % n)
+        .filter_map(|i| loads[i].map(|load| (i, load)))
+        .min_by_key(|&(_, load)| load)
+        .map(|(i, _)| i)
 }
 
 impl DecodeHandle {
@@ -106,8 +135,13 @@ impl DecodeHandle {
         self.peers[i].health.clone()
     }
 
+    pub fn loops(&self) -> Vec<Arc<LoopHealth>> {
+        self.peers.iter().map(|p| p.health.clone()).collect()
+    }
+
     fn peer_ok(&self, p: &Peer) -> bool {
         p.shared.established.load(Ordering::Relaxed)
+            && !p.shared.peer_draining.load(Ordering::Relaxed)
             && p.shared.pong_age() <= self.timings.liveness_window()
             && p.health.age() <= self.stale_after
     }
@@ -116,40 +150,89 @@ impl DecodeHandle {
         let mut out = Vec::new();
         for p in &self.peers {
             let est = p.shared.established.load(Ordering::Relaxed);
+            let draining = p.shared.peer_draining.load(Ordering::Relaxed);
             let inc = p.shared.peer_incarnation.load(Ordering::Relaxed);
-            out.push(Check {
-                name: format!("handshake {}", p.addr),
-                ok: est,
-                detail: if est {
-                    format!("authenticated with prefill incarnation {inc:016x}")
-                } else {
-                    "no authenticated session (handshaking)".into()
-                },
-            });
+            let refusal = p.shared.last_refusal.get();
+            let (reason, detail) = if est {
+                (
+                    "",
+                    format!("authenticated with prefill incarnation {inc:016x}"),
+                )
+            } else if draining {
+                (
+                    "peer_shutdown",
+                    "the prefill is shutting down (it said goodbye)".to_owned(),
+                )
+            } else if let Some(r) = &refusal {
+                (
+                    r.reason.as_str(),
+                    format!("no authenticated session: {} ({})", r.message, r.reason),
+                )
+            } else {
+                (
+                    "handshaking",
+                    "no authenticated session yet (handshaking)".to_owned(),
+                )
+            };
+            out.push(Check::new(
+                format!("handshake {}", p.addr),
+                est,
+                reason,
+                detail,
+            ));
             let age = p.shared.pong_age();
             let window = self.timings.liveness_window();
-            out.push(Check {
-                name: format!("probe {}", p.addr),
-                ok: est && age <= window,
-                detail: format!(
+            out.push(Check::new(
+                format!("probe {}", p.addr),
+                est && age <= window,
+                if est { "probe_timeout" } else { "no_session" },
+                format!(
                     "last PONG {} ms ago (limit {} ms = failure threshold x probe period)",
                     age.as_millis(),
                     window.as_millis()
                 ),
-            });
-            let h = p.health.age();
-            out.push(Check {
-                name: format!("loop_{}", p.health.name),
-                ok: h <= self.stale_after,
-                detail: format!(
-                    "heartbeat {} ms ago (limit {} ms), {} restarts",
-                    h.as_millis(),
-                    self.stale_after.as_millis(),
-                    p.health.restarts()
-                ),
-            });
+            ));
+            out.push(loop_check(&p.health, self.stale_after));
         }
         out
+    }
+
+    pub fn peers(&self) -> Vec<PeerReport> {
+        self.peers
+            .iter()
+            .map(|p| {
+                let s = &p.shared;
+                let state = match s.state.load(Ordering::Relaxed) {
+                    _ if s.peer_draining.load(Ordering::Relaxed) => "peer_draining",
+                    STATE_ESTABLISHED => "established",
+                    STATE_HANDSHAKING => "handshaking",
+                    _ => "idle",
+                };
+                let est = s.established.load(Ordering::Relaxed);
+                PeerReport {
+                    address: p.addr.clone(),
+                    state,
+                    incarnation: Some(s.peer_incarnation.load(Ordering::Relaxed))
+                        .filter(|&i| i != 0),
+                    rooms: s.in_flight.load(Ordering::Relaxed),
+                    last_contact_ms: est.then(|| s.pong_age().as_millis() as u64),
+                    bytes_in_flight: None,
+                    last_refusal: s.last_refusal.get(),
+                    last_failure: s.last_failure.get(),
+                }
+            })
+            .collect()
+    }
+
+    /// Nothing changes for a decode when draining starts: its rooms belong to HTTP requests
+    /// in flight, which go on; no new ones arrive because the HTTP listener is closed.
+    pub fn drain(&self) {
+        self.lifecycle.drain();
+    }
+
+    pub fn stop(&self, deadline: Instant) -> Vec<String> {
+        self.lifecycle.stop();
+        self.threads.join_until(deadline)
     }
 
     /// Run `prompt` on the least-loaded healthy prefill and wait until its KV went to
@@ -161,13 +244,17 @@ impl DecodeHandle {
         sampling: &SamplingParams,
         kv: tmpsc::Sender<ImportedKv>,
     ) -> Result<(), RoomFailure> {
-        // Least loaded healthy peer; ties rotate so idle peers share the work.
         let start = self.rotate.fetch_add(1, Ordering::Relaxed);
-        let n = self.peers.len();
-        let peer = (0..n)
-            .map(|i| &self.peers[(start + i) % n])
-            .filter(|p| self.peer_ok(p))
-            .min_by_key(|p| p.shared.in_flight.load(Ordering::Relaxed))
+        let loads: Vec<Option<usize>> = self
+            .peers
+            .iter()
+            .map(|p| {
+                self.peer_ok(p)
+                    .then(|| p.shared.in_flight.load(Ordering::Relaxed))
+            })
+            .collect();
+        let peer = least_loaded(&loads, start)
+            .map(|i| &self.peers[i])
             .ok_or_else(|| RoomFailure {
                 code: FailCode::NoPeer,
                 message: "no prefill with a healthy KV channel".into(),
@@ -187,6 +274,8 @@ impl DecodeHandle {
             reply,
             kv,
         };
+        // Counted at once, so that requests arriving before the loop publishes see it.
+        peer.shared.in_flight.fetch_add(1, Ordering::Relaxed);
         match peer.tx.try_send(cmd) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => {
@@ -208,5 +297,27 @@ impl DecodeHandle {
                 message: "KV loop dropped the room".into(),
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::least_loaded;
+
+    #[test]
+    fn least_loaded_prefers_the_idle_peer_whatever_the_rotation() {
+        // A busy peer 0 and an idle peer 1: every rotation start picks 1 (round-robin
+        // would pick 0 half the time).
+        for start in 0..4 {
+            assert_eq!(least_loaded(&[Some(3), Some(0)], start), Some(1));
+            assert_eq!(least_loaded(&[Some(0), Some(2), Some(1)], start), Some(0));
+        }
+        // Ties rotate.
+        assert_eq!(least_loaded(&[Some(1), Some(1)], 0), Some(0));
+        assert_eq!(least_loaded(&[Some(1), Some(1)], 1), Some(1));
+        // Unusable peers are never picked, however idle.
+        assert_eq!(least_loaded(&[None, Some(5)], 0), Some(1));
+        assert_eq!(least_loaded(&[None, None], 0), None);
+        assert_eq!(least_loaded(&[], 0), None);
     }
 }

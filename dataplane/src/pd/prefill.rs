@@ -1,51 +1,104 @@
 //! Prefill role: one ROUTER socket on `--kv-port` and one supervised loop (`router_loop`)
 //! that serves every decode. `PrefillHandle` is what the rest of the process holds: the
-//! readiness checks.
+//! readiness checks and peer reports, and the drain and stop of the loop.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use super::report::{PeerReport, Problem};
 use super::router_loop::{RouterConfig, RouterLoop};
+use super::supervise::{Lifecycle, LoopThreads};
 use super::wire;
-use super::{Check, LoopHealth, loop_stale_after, supervise};
-use crate::config::PdTimings;
-use crate::kv::auth::{GroupKey, LocalIdentity};
+use super::{ChannelConfig, Check, LoopHealth, loop_check, loop_stale_after, supervise};
 use crate::metrics::Metrics;
 use crate::scheduler::EngineHandle;
+
+/// What the router loop publishes for `/ready` (a few times a second).
+#[derive(Debug, Default)]
+pub(super) struct RouterReport {
+    /// The most recently seen decode sessions (at most `router_loop::REPORTED_PEERS`).
+    pub(super) peers: Vec<PeerReport>,
+    /// The last handshake this prefill refused, or session it dropped, with the peer's
+    /// routing id.
+    pub(super) last_refusal: Option<(String, Problem)>,
+}
 
 pub struct PrefillHandle {
     bound: Arc<AtomicBool>,
     health: Arc<LoopHealth>,
     stale_after: Duration,
     pub endpoint: String,
+    lifecycle: Arc<Lifecycle>,
+    threads: LoopThreads,
+    report: Arc<Mutex<RouterReport>>,
+    rooms_open: Arc<AtomicUsize>,
 }
 
 impl PrefillHandle {
     pub fn checks(&self) -> Vec<Check> {
         let bound = self.bound.load(Ordering::Relaxed);
-        let age = self.health.age();
         vec![
-            Check {
-                name: "kv_socket_bound".into(),
-                ok: bound,
-                detail: if bound {
+            Check::new(
+                "kv_socket_bound",
+                bound,
+                "kv_socket_unbound",
+                if bound {
                     format!("ROUTER bound on {}", self.endpoint)
                 } else {
                     format!("ROUTER not bound on {}", self.endpoint)
                 },
-            },
-            Check {
-                name: format!("loop_{}", self.health.name),
-                ok: age <= self.stale_after,
-                detail: format!(
-                    "heartbeat {} ms ago (limit {} ms), {} restarts",
-                    age.as_millis(),
-                    self.stale_after.as_millis(),
-                    self.health.restarts()
-                ),
-            },
+            ),
+            loop_check(&self.health, self.stale_after),
         ]
+    }
+
+    /// The decode sessions, most recently seen first; the last refusal is reported as a
+    /// peer of its own when its peer holds no session.
+    pub fn peers(&self) -> Vec<PeerReport> {
+        let Ok(r) = self.report.lock() else {
+            return Vec::new();
+        };
+        let mut peers = r.peers.clone();
+        if let Some((addr, refusal)) = &r.last_refusal
+            && !peers.iter().any(|p| &p.address == addr)
+        {
+            peers.push(PeerReport {
+                address: addr.clone(),
+                state: "idle",
+                incarnation: None,
+                rooms: 0,
+                last_contact_ms: None,
+                bytes_in_flight: None,
+                last_refusal: Some(refusal.clone()),
+                last_failure: None,
+            });
+        }
+        peers
+    }
+
+    pub fn loops(&self) -> Vec<Arc<LoopHealth>> {
+        vec![self.health.clone()]
+    }
+
+    /// Say GOODBYE to every decode and refuse new rooms and handshakes; rooms in flight go on.
+    pub fn drain(&self) {
+        self.lifecycle.drain();
+    }
+
+    /// No room left in flight.
+    pub fn is_idle(&self) -> bool {
+        self.rooms_open.load(Ordering::Relaxed) == 0
+    }
+
+    /// Fail what is left (`shutdown`, pushed to the decodes), close the socket, and wait for
+    /// the loop thread until `deadline`. The loop drops its engine handle when it ends, so
+    /// the engine thread can finish too.
+    pub fn stop(&self, deadline: Instant) -> Vec<String> {
+        self.lifecycle.stop();
+        let left = self.threads.join_until(deadline);
+        self.bound.store(false, Ordering::Relaxed);
+        left
     }
 }
 
@@ -53,12 +106,16 @@ impl PrefillHandle {
 pub fn start(
     host: &str,
     port: u16,
-    local: LocalIdentity,
-    key: GroupKey,
-    timings: PdTimings,
+    channel: ChannelConfig,
     engine: EngineHandle,
     metrics: Arc<Metrics>,
 ) -> crate::Result<PrefillHandle> {
+    let ChannelConfig {
+        local,
+        key,
+        timings,
+        limits,
+    } = channel;
     let io = |e: zmq::Error| crate::Error::Io {
         path: format!("KV socket tcp://{host}:{port}"),
         source: std::io::Error::other(e),
@@ -74,24 +131,37 @@ pub fn start(
     let health = LoopHealth::new("kv_router");
     health.beat();
     tracing::info!(%endpoint, incarnation = local.incarnation, group_incarnation = local.group_incarnation, "KV ROUTER bound");
+    let lifecycle = Arc::new(Lifecycle::default());
+    let report = Arc::new(Mutex::new(RouterReport::default()));
+    let rooms_open = Arc::new(AtomicUsize::new(0));
     let config = RouterConfig {
         ctx,
         sock,
         local,
         key,
         timings,
+        limits,
         engine,
         metrics: metrics.clone(),
+        lifecycle: lifecycle.clone(),
+        report: report.clone(),
+        rooms_open: rooms_open.clone(),
     };
     let body = RouterLoop::new(config, health.clone());
-    supervise(body, health.clone(), metrics).map_err(|e| crate::Error::Io {
+    let thread = supervise(body, health.clone(), metrics).map_err(|e| crate::Error::Io {
         path: "KV loop thread".into(),
         source: e,
     })?;
+    let threads = LoopThreads::default();
+    threads.push(health.name.clone(), thread);
     Ok(PrefillHandle {
         bound,
         health,
         stale_after: loop_stale_after(timings.probe_period),
         endpoint,
+        lifecycle,
+        threads,
+        report,
+        rooms_open,
     })
 }

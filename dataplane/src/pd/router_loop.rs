@@ -1,17 +1,22 @@
 //! The prefill's loop (`RouterLoop`): owns the ROUTER socket; authenticates decodes,
 //! answers PINGs, runs each PREFILL through the local engine (chunked prefill, max_tokens 1,
-//! KV export) and streams the KV chunks and DONE(first token) back; drops decode sessions
-//! that went silent, restarted, or no longer fit the session table.
+//! KV export), keeps the decode informed while it works (PROGRESS), and streams the KV
+//! chunks and DONE(first token) back within each decode's send budget (CREDIT). It drops
+//! decode sessions that went silent, restarted, said goodbye, or no longer fit the session
+//! table; on drain it says goodbye and takes no new work, on stop it fails what is left.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::error::TryRecvError;
 
-use super::LoopHealth;
-use super::supervise::Supervised;
+use super::prefill::RouterReport;
+use super::report::{PeerReport, Problem};
+use super::supervise::{Lifecycle, Phase, Supervised};
 use super::wire::{self, hex_id};
+use super::{LoopHealth, PdLimits};
 use crate::config::PdTimings;
 use crate::kv::auth::{self, GroupKey, LocalIdentity, Pending};
 use crate::kv::room::{Deadlines, RoomState, RoomTable};
@@ -28,6 +33,12 @@ use crate::scheduler::{EngineHandle, FailReason, GenEvent, GenerateRequest, Tran
 const MAX_PENDING: usize = 256;
 /// Most authenticated decode sessions; the longest-silent one makes room beyond this.
 pub(super) const MAX_SESSIONS: usize = 1024;
+/// Dropped sessions remembered, so a decode that comes back is told why (`peer_expired`).
+const DROPPED_REMEMBERED: usize = 1024;
+/// Decode sessions listed in `/ready` (the most recently seen).
+pub(super) const REPORTED_PEERS: usize = 32;
+/// How often the loop publishes its report for `/ready`.
+const REPORT_EVERY: Duration = Duration::from_millis(100);
 
 /// What a `RouterLoop` is built from.
 pub(super) struct RouterConfig {
@@ -36,14 +47,28 @@ pub(super) struct RouterConfig {
     pub(super) local: LocalIdentity,
     pub(super) key: GroupKey,
     pub(super) timings: PdTimings,
+    pub(super) limits: PdLimits,
     pub(super) engine: EngineHandle,
     pub(super) metrics: Arc<Metrics>,
+    pub(super) lifecycle: Arc<Lifecycle>,
+    pub(super) report: Arc<Mutex<RouterReport>>,
+    pub(super) rooms_open: Arc<AtomicUsize>,
 }
 
 /// The prefill's session with one authenticated decode.
 struct RouterSession {
     incarnation: u64,
     last_seen: Instant,
+    /// KV chunk data bytes handed to ZeroMQ for this decode, and the part it acknowledged.
+    sent: u64,
+    acked: u64,
+    last_failure: Option<Problem>,
+}
+
+impl RouterSession {
+    fn in_flight(&self) -> u64 {
+        self.sent.saturating_sub(self.acked)
+    }
 }
 
 /// One room as the prefill sees it.
@@ -52,6 +77,9 @@ struct RouterRoom {
     peer_incarnation: u64,
     rx: tokio::sync::mpsc::Receiver<GenEvent>,
     prompt_tokens: u32,
+    /// Prompt tokens the engine has prefilled so far.
+    done_tokens: u32,
+    last_progress_sent: Instant,
     first: Option<(u32, Option<TokenLogprob>)>,
     export: Option<Vec<u8>>,
 }
@@ -64,15 +92,29 @@ pub(super) struct RouterLoop {
     engine: EngineHandle,
     metrics: Arc<Metrics>,
     health: Arc<LoopHealth>,
+    lifecycle: Arc<Lifecycle>,
+    report: Arc<Mutex<RouterReport>>,
+    rooms_open: Arc<AtomicUsize>,
     pending: HashMap<Vec<u8>, (Pending, Instant)>,
     sessions: HashMap<Vec<u8>, RouterSession>,
+    /// Recently dropped sessions and why, oldest first (bounded).
+    dropped: HashMap<Vec<u8>, DropReason>,
+    dropped_order: VecDeque<Vec<u8>>,
     /// A session silent for this long is dropped with its rooms (`PdTimings::session_expiry`).
     session_expiry: Duration,
+    limits: PdLimits,
+    /// Least time between two PROGRESS of one room.
+    progress_every: Duration,
     rooms: RoomTable<RouterRoom>,
+    draining: bool,
+    stopped: bool,
+    last_refusal: Option<(String, Problem)>,
+    last_report: Instant,
 }
 
 impl RouterLoop {
     pub(super) fn new(c: RouterConfig, health: Arc<LoopHealth>) -> Self {
+        let t = c.timings;
         Self {
             _ctx: c.ctx,
             sock: c.sock,
@@ -81,13 +123,24 @@ impl RouterLoop {
             engine: c.engine,
             metrics: c.metrics,
             health,
+            lifecycle: c.lifecycle,
+            report: c.report,
+            rooms_open: c.rooms_open,
             pending: HashMap::new(),
             sessions: HashMap::new(),
-            session_expiry: c.timings.session_expiry(),
-            rooms: RoomTable::new(
-                Deadlines::new(c.timings.bootstrap_timeout, c.timings.kv_timeout),
-                65_536,
-            ),
+            dropped: HashMap::new(),
+            dropped_order: VecDeque::new(),
+            session_expiry: t.session_expiry(),
+            limits: c.limits,
+            progress_every: t
+                .probe_period
+                .min(t.kv_timeout / 4)
+                .max(Duration::from_millis(50)),
+            rooms: RoomTable::new(Deadlines::new(t.bootstrap_timeout, t.kv_timeout), 65_536),
+            draining: false,
+            stopped: false,
+            last_refusal: None,
+            last_report: Instant::now(),
         }
     }
 }
@@ -96,6 +149,14 @@ impl Supervised for RouterLoop {
     fn run(&mut self) {
         loop {
             self.health.beat();
+            match self.lifecycle.phase() {
+                Phase::Stop => {
+                    self.shutdown();
+                    return;
+                }
+                Phase::Drain if !self.draining => self.begin_drain(),
+                _ => {}
+            }
             self.health.fault_point();
             wire::wait_readable(&self.sock);
             for _ in 0..wire::RECV_BATCH {
@@ -105,7 +166,10 @@ impl Supervised for RouterLoop {
                 self.on_frames(frames);
             }
             self.pump_rooms();
-            self.expire(Instant::now());
+            let now = Instant::now();
+            self.keep_alive(now);
+            self.expire(now);
+            self.publish(now);
         }
     }
 
@@ -135,8 +199,9 @@ impl RouterLoop {
         }
     }
 
-    fn reject(&self, peer: &[u8], reason: RejectReason, text: String) {
+    fn reject(&mut self, peer: &[u8], reason: RejectReason, text: String) {
         tracing::warn!(peer = %hex_id(peer), reason = reason.label(), %text, "KV peer refused");
+        self.last_refusal = Some((hex_id(peer), Problem::new(reason.label(), text.clone())));
         self.reply(peer, 0, Message::Reject { reason, text });
     }
 
@@ -170,6 +235,17 @@ impl RouterLoop {
     }
 
     fn on_hello(&mut self, peer: Vec<u8>, env: &Envelope) {
+        if self.draining {
+            self.metrics
+                .kv
+                .handshake(RejectReason::ShuttingDown.label());
+            self.reject(
+                &peer,
+                RejectReason::ShuttingDown,
+                "this prefill is shutting down".into(),
+            );
+            return;
+        }
         let nonce: [u8; 32] = rand::random();
         match auth::respond_hello(
             &self.local,
@@ -237,11 +313,15 @@ impl RouterLoop {
         {
             self.drop_session(&oldest, DropReason::Capacity);
         }
+        self.dropped.remove(&peer);
         self.sessions.insert(
             peer.clone(),
             RouterSession {
                 incarnation: env.incarnation,
                 last_seen: Instant::now(),
+                sent: 0,
+                acked: 0,
+                last_failure: None,
             },
         );
         self.metrics.kv.sessions.set(self.sessions.len() as i64);
@@ -281,6 +361,15 @@ impl RouterLoop {
             %text,
             "decode session dropped"
         );
+        self.last_refusal = Some((hex_id(peer), Problem::new(why.label(), text)));
+        if self.dropped.insert(peer.to_vec(), why).is_none() {
+            self.dropped_order.push_back(peer.to_vec());
+        }
+        while self.dropped_order.len() > DROPPED_REMEMBERED {
+            if let Some(old) = self.dropped_order.pop_front() {
+                self.dropped.remove(&old);
+            }
+        }
     }
 
     fn on_session_message(&mut self, peer: Vec<u8>, env: Envelope) {
@@ -297,13 +386,22 @@ impl RouterLoop {
         };
         if !authed {
             // No state for unauthenticated peers; the REJECT (with our incarnation in its
-            // header) tells a decode whose session we lost to handshake again.
+            // header) tells a decode whose session we lost to handshake again, and why.
             self.metrics.kv.malformed("unauthenticated");
-            self.reject(
-                &peer,
-                RejectReason::NotAuthenticated,
-                format!("{:?} before a handshake", env.msg.msg_type()),
-            );
+            let (reason, text) = match self.dropped.get(&peer) {
+                Some(why @ (DropReason::Expired | DropReason::Capacity)) => (
+                    RejectReason::SessionExpired,
+                    format!(
+                        "this prefill dropped the session: {}",
+                        why.text(self.session_expiry)
+                    ),
+                ),
+                _ => (
+                    RejectReason::NotAuthenticated,
+                    format!("{:?} before a handshake", env.msg.msg_type()),
+                ),
+            };
+            self.reject(&peer, reason, text);
             return;
         }
         if env.group_incarnation != self.local.group_incarnation {
@@ -330,6 +428,15 @@ impl RouterLoop {
                 );
             }
             Message::Prefill(req) => self.on_prefill(peer, env.incarnation, env.room, req),
+            Message::Credit { consumed } => {
+                if let Some(s) = self.sessions.get_mut(&peer) {
+                    s.acked = consumed.min(s.sent).max(s.acked);
+                }
+            }
+            Message::Goodbye { reason, text } => {
+                tracing::info!(peer = %hex_id(&peer), reason = reason.label(), %text, "decode said goodbye");
+                self.drop_session(&peer, DropReason::PeerShutdown);
+            }
             Message::Abort => {
                 // Stop writing, then confirm; unknown or finished rooms are a no-op that
                 // is still confirmed (we are not writing to them either).
@@ -375,6 +482,19 @@ impl RouterLoop {
         }
         let prompt_tokens = req.tokens.len() as u32;
         self.metrics.kv.rooms_opened.inc();
+        let refuse = |this: &mut Self, code: FailCode, text: String| {
+            this.metrics.kv.room("failed", code.label());
+            tracing::warn!(room, peer = %hex_id(&peer), peer_incarnation = %format!("{peer_inc:016x}"), reason = code.label(), %text, "room refused");
+            this.reply(&peer, room, Message::Failed { reason: code, text });
+        };
+        if self.draining {
+            refuse(
+                self,
+                FailCode::Shutdown,
+                "this prefill is shutting down".into(),
+            );
+            return;
+        }
         let request = GenerateRequest {
             prompt: req.tokens,
             max_tokens: 1,
@@ -392,31 +512,23 @@ impl RouterLoop {
         let rx = match self.engine.submit(request) {
             Ok(rx) => rx,
             Err(e) => {
-                self.metrics.kv.room("failed", FailCode::Overloaded.label());
-                tracing::warn!(room, peer = %hex_id(&peer), reason = FailCode::Overloaded.label(), "room refused: {e}");
-                self.reply(
-                    &peer,
-                    room,
-                    Message::Failed {
-                        reason: FailCode::Overloaded,
-                        text: e.to_string(),
-                    },
-                );
+                refuse(self, FailCode::Overloaded, e.to_string());
                 return;
             }
         };
+        let now = Instant::now();
         let data = RouterRoom {
             peer,
             peer_incarnation: peer_inc,
             rx,
             prompt_tokens,
+            done_tokens: 0,
+            last_progress_sent: now,
             first: None,
             export: None,
         };
         // Checked above: the id is fresh.
-        let _ = self
-            .rooms
-            .open(room, RoomState::WaitingKv, data, Instant::now());
+        let _ = self.rooms.open(room, RoomState::WaitingKv, data, now);
     }
 
     /// Collect engine events of every room; finished prefills are streamed out.
@@ -426,6 +538,9 @@ impl RouterLoop {
                 match r.data.rx.try_recv() {
                     Ok(GenEvent::Token { id: t, logprob, .. }) => r.data.first = Some((t, logprob)),
                     Ok(GenEvent::KvExported(p)) => r.data.export = Some(p),
+                    Ok(GenEvent::Progress { prefilled, .. }) => {
+                        r.data.done_tokens = prefilled.min(u32::MAX as usize) as u32;
+                    }
                     Ok(GenEvent::KvReserved) => {}
                     Ok(GenEvent::Done { .. }) => {
                         self.stream_out(id);
@@ -451,6 +566,40 @@ impl RouterLoop {
         }
     }
 
+    /// While the engine loop goes round, every room it holds is being worked on (prefilled,
+    /// or queued behind others): tell each decode so at most every `progress_every`, and
+    /// keep the room's own deadline fresh. An engine that stops going round stops this, so
+    /// both sides' no-progress deadlines measure a stuck engine, not a long prompt.
+    fn keep_alive(&mut self, now: Instant) {
+        let engine = self.engine.health();
+        if engine.stopped() || engine.heartbeat_age() > self.limits.engine_stall {
+            return;
+        }
+        let due: Vec<(u64, Vec<u8>, u32, u32)> = self
+            .rooms
+            .iter()
+            .filter(|(_, r)| {
+                r.state == RoomState::WaitingKv
+                    && now.duration_since(r.data.last_progress_sent) >= self.progress_every
+            })
+            .map(|(id, r)| {
+                (
+                    id,
+                    r.data.peer.clone(),
+                    r.data.done_tokens,
+                    r.data.prompt_tokens,
+                )
+            })
+            .collect();
+        for (id, peer, done, total) in due {
+            self.reply(&peer, id, Message::Progress { done, total });
+            if let Some(r) = self.rooms.get_mut(id) {
+                r.data.last_progress_sent = now;
+            }
+            let _ = self.rooms.advance(id, RoomState::WaitingKv, now);
+        }
+    }
+
     fn stream_out(&mut self, id: u64) {
         let Some(r) = self.rooms.get_mut(id) else {
             return;
@@ -464,6 +613,21 @@ impl RouterLoop {
             return;
         };
         let (peer, prompt_tokens) = (r.data.peer.clone(), r.data.prompt_tokens);
+        // Rule 10 in bytes: KV handed to ZeroMQ for one decode and not yet acknowledged
+        // stays within the budget; a room that would pass it fails now rather than queue.
+        // (With nothing in flight a room is always sent, so one larger than the budget
+        // still goes: a peer then pins at most max(budget, one room).)
+        let in_flight = self.sessions.get(&peer).map_or(0, RouterSession::in_flight);
+        let budget = self.limits.send_budget;
+        if in_flight > 0 && in_flight + payload.len() as u64 > budget {
+            self.metrics.kv.send_failure("byte_budget");
+            let text = format!(
+                "{in_flight} KV bytes sent to this decode are unacknowledged; {} more would pass the send budget of {budget} bytes",
+                payload.len()
+            );
+            self.fail_room(id, FailCode::SendBudget, &text);
+            return;
+        }
         let _ = self
             .rooms
             .advance(id, RoomState::Transferring, Instant::now());
@@ -476,7 +640,12 @@ impl RouterLoop {
                 id,
                 &c,
             ) {
-                Ok(n) => self.metrics.kv.bytes("sent", n),
+                Ok(n) => {
+                    self.metrics.kv.bytes("sent", n);
+                    if let Some(s) = self.sessions.get_mut(&peer) {
+                        s.sent += n as u64;
+                    }
+                }
                 Err(e) => {
                     let label = wire::send_error_label(e);
                     self.metrics.kv.send_failure(label);
@@ -532,6 +701,11 @@ impl RouterLoop {
         if outcome != RoomState::Done {
             tracing::warn!(room = id, peer = %hex_id(&r.data.peer), peer_incarnation = %format!("{:016x}", r.data.peer_incarnation), state = outcome.label(), reason, %text, "room ended");
         }
+        if let RoomState::Failed(_) = outcome
+            && let Some(s) = self.sessions.get_mut(&r.data.peer)
+        {
+            s.last_failure = Some(Problem::new(reason, format!("room {id:016x}: {text}")));
+        }
     }
 
     fn expire(&mut self, now: Instant) {
@@ -557,6 +731,85 @@ impl RouterLoop {
             self.drop_session(&peer, DropReason::Expired);
         }
     }
+
+    /// Drain begins: every decode hears GOODBYE (it stops sending new rooms here); new
+    /// rooms and handshakes are refused from now on, rooms in flight go on.
+    fn begin_drain(&mut self) {
+        self.draining = true;
+        let peers: Vec<Vec<u8>> = self.sessions.keys().cloned().collect();
+        for peer in &peers {
+            self.reply(
+                peer,
+                0,
+                Message::Goodbye {
+                    reason: FailCode::Shutdown,
+                    text: "this prefill is shutting down".into(),
+                },
+            );
+        }
+        tracing::info!(
+            decodes = peers.len(),
+            rooms_in_flight = self.rooms.len(),
+            "draining: said goodbye to every decode; refusing new rooms"
+        );
+    }
+
+    /// Stop: every room left fails with `shutdown` (pushed to its decode, which counts it
+    /// as `peer_shutdown`); the socket closes with a bounded linger; returning from `run`
+    /// then drops the engine handle.
+    fn shutdown(&mut self) {
+        if self.stopped {
+            return;
+        }
+        self.stopped = true;
+        if !self.draining {
+            self.begin_drain();
+        }
+        let ids = self.rooms.ids();
+        for &id in &ids {
+            self.fail_room(id, FailCode::Shutdown, "this prefill is shutting down");
+        }
+        self.publish(Instant::now() + REPORT_EVERY);
+        wire::set_close_linger(&self.sock);
+        tracing::info!(rooms_failed = ids.len(), "KV loop stopped");
+    }
+
+    fn publish(&mut self, now: Instant) {
+        self.rooms_open.store(self.rooms.len(), Ordering::Relaxed);
+        if now.duration_since(self.last_report) < REPORT_EVERY {
+            return;
+        }
+        self.last_report = now;
+        let in_flight: u64 = self.sessions.values().map(RouterSession::in_flight).sum();
+        self.metrics.kv.bytes_in_flight.set(in_flight as i64);
+        let mut recent: Vec<(&Vec<u8>, &RouterSession)> = self.sessions.iter().collect();
+        recent.sort_by_key(|(_, s)| std::cmp::Reverse(s.last_seen));
+        let peers =
+            recent
+                .into_iter()
+                .take(REPORTED_PEERS)
+                .map(|(peer, s)| PeerReport {
+                    address: hex_id(peer),
+                    state: "established",
+                    incarnation: Some(s.incarnation),
+                    rooms: self
+                        .rooms
+                        .iter()
+                        .filter(|(_, r)| &r.data.peer == peer)
+                        .count(),
+                    last_contact_ms: Some(
+                        now.saturating_duration_since(s.last_seen).as_millis() as u64
+                    ),
+                    bytes_in_flight: Some(s.in_flight()),
+                    last_refusal: None,
+                    last_failure: s.last_failure.clone(),
+                })
+                .collect();
+        if let Ok(mut r) = self.report.lock() {
+            r.peers = peers;
+            r.last_refusal = self.last_refusal.clone();
+        }
+    }
 }
 
 /// Why the prefill dropped a decode session.
@@ -568,6 +821,8 @@ enum DropReason {
     PeerRestarted,
     /// The session table was full; the longest-silent session made room.
     Capacity,
+    /// The decode said GOODBYE (it is shutting down).
+    PeerShutdown,
 }
 
 impl DropReason {
@@ -576,6 +831,7 @@ impl DropReason {
             Self::Expired => "expired",
             Self::PeerRestarted => "peer_restarted",
             Self::Capacity => "capacity",
+            Self::PeerShutdown => "peer_shutdown",
         }
     }
 
@@ -583,6 +839,7 @@ impl DropReason {
         match self {
             Self::Expired | Self::Capacity => FailCode::PeerExpired,
             Self::PeerRestarted => FailCode::PeerRestarted,
+            Self::PeerShutdown => FailCode::PeerShutdown,
         }
     }
 
@@ -594,6 +851,7 @@ impl DropReason {
             ),
             Self::PeerRestarted => "decode restarted".into(),
             Self::Capacity => format!("session table full ({MAX_SESSIONS})"),
+            Self::PeerShutdown => "decode shut down".into(),
         }
     }
 }

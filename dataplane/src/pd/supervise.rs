@@ -2,17 +2,95 @@
 //! loop's `after_panic` fails the rooms it owned, and the loop runs again. Each loop beats a
 //! heartbeat that `/ready` checks, so a dead or stuck loop turns the process not-ready.
 //!
-//! Test hook: in `cfg(test)` builds only, `LoopHealth::inject` arms a one-shot fault (stall
-//! or panic) that the loop hits at its next `fault_point`, right after a heartbeat. In
-//! other builds `fault_point` is an empty inline function: nothing is compiled in.
+//! Lifecycle: every loop reads its [`Lifecycle`] once per iteration (at most `wire::POLL_MS`
+//! apart). `drain` asks it to take no new work; `stop` asks it to end what is left with a
+//! reason, say goodbye to its peers, close its socket with a bounded linger and return,
+//! which ends its thread (the process joins it with a bound).
+//!
+//! Fault injection: `LoopHealth::inject` arms a one-shot fault (stall or panic) that the
+//! loop hits at its next `fault_point`, right after a heartbeat. Unit tests call it
+//! directly; a running process reaches it only through `POST /debug/fault`, which exists
+//! only when the process was started with `--fault-injection` *and* the environment
+//! variable `TANDEM_ALLOW_FAULT_INJECTION=yes` (refused at start otherwise). Unarmed, a
+//! fault point costs one relaxed atomic load.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::metrics::{LoopLabels, Metrics};
+
+/// What the process asks of its loops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Run,
+    /// Shutting down: take no new work, finish what is in flight.
+    Drain,
+    /// End what is left now and return.
+    Stop,
+}
+
+/// Shared by a side's handle (which sets the phase) and its loops (which read it).
+#[derive(Debug, Default)]
+pub struct Lifecycle {
+    phase: AtomicU8,
+}
+
+impl Lifecycle {
+    pub fn phase(&self) -> Phase {
+        match self.phase.load(Ordering::Relaxed) {
+            0 => Phase::Run,
+            1 => Phase::Drain,
+            _ => Phase::Stop,
+        }
+    }
+
+    /// Never moves backwards (a drain after a stop stays a stop).
+    pub fn drain(&self) {
+        let _ = self
+            .phase
+            .compare_exchange(0, 1, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    pub fn stop(&self) {
+        self.phase.store(2, Ordering::Relaxed);
+    }
+}
+
+/// Threads of one side's loops; joined with a bound when the process stops.
+#[derive(Debug, Default)]
+pub struct LoopThreads(Mutex<Vec<(String, JoinHandle<()>)>>);
+
+impl LoopThreads {
+    pub fn push(&self, name: String, h: JoinHandle<()>) {
+        if let Ok(mut v) = self.0.lock() {
+            v.push((name, h));
+        }
+    }
+
+    /// Wait until every loop thread has ended or `deadline` passed; the names of those
+    /// still running, which are abandoned (the process exits without them).
+    pub fn join_until(&self, deadline: Instant) -> Vec<String> {
+        let Ok(mut v) = self.0.lock() else {
+            return Vec::new();
+        };
+        while v.iter().any(|(_, h)| !h.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mut left = Vec::new();
+        for (name, h) in v.drain(..) {
+            if h.is_finished() {
+                let _ = h.join();
+            } else {
+                left.push(name);
+            }
+        }
+        left
+    }
+}
 
 #[derive(Debug)]
 pub struct LoopHealth {
@@ -20,16 +98,14 @@ pub struct LoopHealth {
     start: Instant,
     last_beat_ms: AtomicU64,
     restarts: AtomicU64,
-    #[cfg(test)]
-    fault: std::sync::Mutex<Option<Fault>>,
-    #[cfg(test)]
-    stalled_at: std::sync::Mutex<Option<Instant>>,
+    armed: AtomicBool,
+    fault: Mutex<Option<Fault>>,
+    stalled_at: Mutex<Option<Instant>>,
 }
 
-/// A one-shot fault for tests (see the module header).
-#[cfg(test)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Fault {
+/// A one-shot fault (see the module header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
     /// Stop beating for this long, as a loop stuck in a blocking call would.
     Stall(Duration),
     /// Panic inside the loop body.
@@ -43,40 +119,44 @@ impl LoopHealth {
             start: Instant::now(),
             last_beat_ms: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
-            #[cfg(test)]
-            fault: std::sync::Mutex::new(None),
-            #[cfg(test)]
-            stalled_at: std::sync::Mutex::new(None),
+            armed: AtomicBool::new(false),
+            fault: Mutex::new(None),
+            stalled_at: Mutex::new(None),
         })
     }
 
     /// Where a loop hits an injected fault; called right after `beat`.
-    #[cfg(not(test))]
-    #[inline(always)]
-    pub(super) fn fault_point(&self) {}
-
-    #[cfg(test)]
+    #[inline]
     pub(super) fn fault_point(&self) {
-        let fault = self.fault.lock().unwrap().take();
+        if !self.armed.load(Ordering::Relaxed) {
+            return;
+        }
+        self.armed.store(false, Ordering::Relaxed);
+        let fault = self.fault.lock().ok().and_then(|mut f| f.take());
         match fault {
             None => {}
             Some(Fault::Stall(d)) => {
-                *self.stalled_at.lock().unwrap() = Some(Instant::now());
+                if let Ok(mut at) = self.stalled_at.lock() {
+                    *at = Some(Instant::now());
+                }
+                tracing::warn!(r#loop = %self.name, stall_ms = d.as_millis() as u64, "injected fault: stalling the loop");
                 std::thread::sleep(d);
             }
             Some(Fault::Panic) => panic!("injected fault"),
         }
     }
 
-    #[cfg(test)]
-    pub(crate) fn inject(&self, f: Fault) {
-        *self.fault.lock().unwrap() = Some(f);
+    /// Arm a one-shot fault (tests, and `POST /debug/fault` when fault injection is on).
+    pub fn inject(&self, f: Fault) {
+        if let Ok(mut slot) = self.fault.lock() {
+            *slot = Some(f);
+            self.armed.store(true, Ordering::Relaxed);
+        }
     }
 
     /// When the last injected stall began.
-    #[cfg(test)]
-    pub(crate) fn stalled_at(&self) -> Option<Instant> {
-        *self.stalled_at.lock().unwrap()
+    pub fn stalled_at(&self) -> Option<Instant> {
+        self.stalled_at.lock().ok().and_then(|a| *a)
     }
 
     pub fn beat(&self) {

@@ -73,9 +73,12 @@ fn rule3_stuck_kv_loop_flips_ready_within_one_probe_period_and_a_panicking_loop_
     let metrics = Arc::new(Metrics::new());
     let client = decode::start(
         std::slice::from_ref(&addr),
-        local_identity(&info(), 0, super::random_id(), 7),
-        GroupKey::new(b"k".to_vec()),
-        timings,
+        super::ChannelConfig {
+            local: local_identity(&info(), 0, super::random_id(), 7),
+            key: GroupKey::new(b"k".to_vec()),
+            timings,
+            limits: super::PdLimits::default(),
+        },
         &info(),
         metrics.clone(),
     )

@@ -2,12 +2,21 @@
 
 use crate::kv::{Envelope, HEADER_LEN, KvChunkRef, MAX_PAYLOAD, encode, encode_chunk};
 
-/// Messages queued per peer before sends fail fast instead of growing memory.
+/// Messages queued per peer before sends fail fast. KV bytes are bounded exactly by the
+/// per-peer send budget (CREDIT); this bounds the small control messages around them.
 const HWM: i32 = 10_000;
+/// How long a closing socket may still flush what it queued (the last FAILED and GOODBYE
+/// of a shutdown) before it is dropped: bounded, so closing never holds a process up.
+pub(super) const CLOSE_LINGER_MS: i32 = 200;
 /// Longest a loop waits in `poll` before going round (heartbeat, deadlines, commands).
 pub(super) const POLL_MS: i64 = 10;
 /// Most inbound messages handled per loop iteration, so timers still run under a flood.
 pub(super) const RECV_BATCH: usize = 256;
+
+/// Give a socket about to be closed a short, bounded linger (it is 0 while it runs).
+pub(super) fn set_close_linger(sock: &zmq::Socket) {
+    let _ = sock.set_linger(CLOSE_LINGER_MS);
+}
 
 pub(super) fn configure(sock: &zmq::Socket) -> zmq::Result<()> {
     sock.set_linger(0)?;

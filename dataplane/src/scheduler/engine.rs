@@ -367,6 +367,7 @@ impl<R: ModelRunner> Engine<R> {
             }
         }
         let mut budget = self.cfg.chunk_size.max(1);
+        let mut progressed = Vec::new();
         for (i, a) in self.running.iter_mut().enumerate() {
             let prompt = &a.sub.req.prompt;
             if a.next_input.is_some() || a.prefilled == prompt.len() || budget == 0 {
@@ -374,6 +375,9 @@ impl<R: ModelRunner> Engine<R> {
             }
             let n = budget.min(prompt.len() - a.prefilled);
             let end = a.prefilled + n;
+            if end < prompt.len() && matches!(a.sub.req.transfer, Transfer::Export) {
+                progressed.push(i);
+            }
             batch.push(StepInput {
                 seq: a.seq,
                 tokens: prompt[a.prefilled..end].to_vec(),
@@ -427,6 +431,14 @@ impl<R: ModelRunner> Engine<R> {
                 return;
             }
         };
+        // Export requests hear how far their prompt got (the last chunk ends in a token).
+        for i in progressed {
+            let a = &self.running[i];
+            let _ = a.sub.out.try_send(GenEvent::Progress {
+                prefilled: a.prefilled,
+                total: a.sub.req.prompt.len(),
+            });
+        }
         let mut outcomes = Vec::new();
         for (&i, sampled) in owners.iter().zip(outputs) {
             let Some((token, logprob)) = sampled else {

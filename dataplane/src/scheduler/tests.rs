@@ -31,6 +31,7 @@ struct Collected {
     done: Option<(FinishReason, Usage)>,
     failed: Option<(FailReason, String)>,
     exported: Option<Vec<u8>>,
+    progress: Vec<(usize, usize)>,
 }
 
 fn collect(mut rx: tmpsc::Receiver<GenEvent>) -> Collected {
@@ -55,6 +56,7 @@ fn collect(mut rx: tmpsc::Receiver<GenEvent>) -> Collected {
                 c.exported = Some(p);
             }
             GenEvent::KvReserved => {}
+            GenEvent::Progress { prefilled, total } => c.progress.push((prefilled, total)),
         }
     }
     c
@@ -524,4 +526,29 @@ fn step_sample_failures_fail_the_batch_and_the_engine_keeps_serving() {
         assert!(bad.ids.is_empty());
         assert!(h.health().heartbeat_age() < Duration::from_secs(1));
     }
+}
+
+#[test]
+fn an_export_reports_progress_per_prompt_chunk_and_nothing_else_does() {
+    let cfg = SchedulerConfig {
+        chunk_size: 4,
+        ..SchedulerConfig::default()
+    };
+    let (r, _) = fake(1000);
+    let (h, _) = start(r, cfg);
+    let prompt: Vec<u32> = (2..12).collect(); // 10 tokens: chunks of 4, 4, 2
+    let mut pre = req(prompt.clone(), 1);
+    pre.transfer = Transfer::Export;
+    let c = collect(h.submit(pre).unwrap());
+    assert_eq!(
+        c.progress,
+        vec![(4, 10), (8, 10)],
+        "one event per chunk but the last"
+    );
+    assert_eq!(c.ids.len(), 1);
+    assert!(c.exported.is_some());
+    // Colocated requests of the same prompt hear no progress.
+    let c = collect(h.submit(req(prompt, 3)).unwrap());
+    assert!(c.progress.is_empty(), "{:?}", c.progress);
+    assert_eq!(c.ids.len(), 3);
 }

@@ -18,6 +18,25 @@ use crate::scheduler::{FailReason, GenEvent, GenerateRequest, KvImport, Transfer
 
 type R<T> = std::result::Result<T, ApiError>;
 
+/// The request was still in flight at the drain deadline.
+fn shutdown_error(state: &AppState) -> ApiError {
+    state.metrics.fail("shutdown");
+    tracing::warn!(reason = "shutdown", "request ended by the drain deadline");
+    ApiError::server(
+        http::StatusCode::SERVICE_UNAVAILABLE,
+        "shutdown",
+        "the server is shutting down: the drain deadline passed before this request finished",
+    )
+}
+
+/// The next engine event, or `Err` when the drain deadline passes first.
+async fn next_event(state: &AppState, rx: &mut Receiver<GenEvent>) -> R<Option<GenEvent>> {
+    tokio::select! {
+        ev = rx.recv() => Ok(ev),
+        _ = state.shutdown.deadline() => Err(shutdown_error(state)),
+    }
+}
+
 pub async fn chat(state: Arc<AppState>, body: Bytes) -> R<http::Response<Body>> {
     let o = params::parse_object(&body)?;
     params::check_model(&o, &state.model_name)?;
@@ -136,7 +155,7 @@ async fn generate(
     let mut rx = state.engine.submit(req).map_err(ApiError::from_submit)?;
     // Wait for the first event before answering, so that failures before the first token
     // (queue timeout, request too large) get a proper HTTP status even when streaming.
-    let mut first = rx.recv().await;
+    let mut first = next_event(&state, &mut rx).await?;
     if let (Some(d), Some(kv_tx), Some((prompt, sampling))) = (decode, kv_tx, pd_prompt) {
         match first {
             Some(GenEvent::KvReserved) => {}
@@ -151,7 +170,11 @@ async fn generate(
                 ));
             }
         }
-        if let Err(f) = d.prefill(&prompt, &sampling, kv_tx).await {
+        let room = tokio::select! {
+            r = d.prefill(&prompt, &sampling, kv_tx) => r,
+            _ = state.shutdown.deadline() => return Err(shutdown_error(&state)),
+        };
+        if let Err(f) = room {
             state.metrics.fail(FailReason::KvTransfer.label());
             return Err(ApiError::server(
                 http::StatusCode::SERVICE_UNAVAILABLE,
@@ -159,7 +182,7 @@ async fn generate(
                 f.message,
             ));
         }
-        first = rx.recv().await;
+        first = next_event(&state, &mut rx).await?;
     }
     if let Some(GenEvent::Failed { reason, message }) = first {
         return Err(ApiError::from_failure(reason, message));
@@ -216,7 +239,7 @@ async fn whole(
                 return Err(ApiError::from_failure(reason, message));
             }
             // Only prefill-role requests export KV; nothing to show here.
-            Some(GenEvent::KvExported(_) | GenEvent::KvReserved) => {}
+            Some(GenEvent::KvExported(_) | GenEvent::KvReserved | GenEvent::Progress { .. }) => {}
             None => {
                 return Err(ApiError::server(
                     http::StatusCode::INTERNAL_SERVER_ERROR,
@@ -225,7 +248,7 @@ async fn whole(
                 ));
             }
         }
-        ev = rx.recv().await;
+        ev = next_event(&state, &mut rx).await?;
     }
 }
 
@@ -284,7 +307,9 @@ impl Sse {
                 out.extend_from_slice(b"data: [DONE]\n\n");
                 self.done = true;
             }
-            Some(GenEvent::KvExported(_) | GenEvent::KvReserved) => return out,
+            Some(GenEvent::KvExported(_) | GenEvent::KvReserved | GenEvent::Progress { .. }) => {
+                return out;
+            }
             Some(GenEvent::Failed { reason, message }) => {
                 push(&ApiError::from_failure(reason, message).body());
                 out.extend_from_slice(b"data: [DONE]\n\n");
@@ -312,10 +337,17 @@ fn sse_response(sse: Sse) -> http::Response<Body> {
                 return None;
             }
             let ev = match s.first.take() {
-                Some(e) => Some(e),
-                None => s.rx.recv().await,
+                Some(e) => Ok(Some(e)),
+                None => next_event(&s.state, &mut s.rx).await,
             };
-            let bytes = s.render(ev);
+            let bytes = match ev {
+                Ok(ev) => s.render(ev),
+                Err(e) => {
+                    // The drain deadline: end the stream with the reason, then [DONE].
+                    s.done = true;
+                    format!("data: {}\n\ndata: [DONE]\n\n", e.body()).into_bytes()
+                }
+            };
             if !bytes.is_empty() {
                 return Some((Ok::<_, Infallible>(Frame::data(Bytes::from(bytes))), s));
             }

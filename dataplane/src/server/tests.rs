@@ -84,8 +84,9 @@ fn start_with(blocks: usize, cfg: SchedulerConfig) -> TestServer {
         max_heartbeat_age: Duration::from_secs(5),
         header_read_timeout: HEADER_TIMEOUT,
         role: "both",
-        draining: AtomicBool::new(false),
+        shutdown: Default::default(),
         pd: None,
+        fault_injection: false,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
