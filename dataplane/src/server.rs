@@ -121,8 +121,12 @@ fn error_response(e: &ApiError) -> Response<Body> {
     json_response(e.status, &e.body())
 }
 
-/// Serve until `shutdown` resolves, then stop accepting, let open connections finish their
-/// in-flight requests (streams included) for up to `drain`, and return.
+/// Serve until `shutdown` resolves; then drain: readiness fails, the PD side takes no new
+/// work, and open connections finish the requests they have in flight (streams included)
+/// for up to `drain`. While draining, new connections are still accepted, one request
+/// each, so that probes and scrapes see why (`/ready` 503 with reason `draining`), but new
+/// completions get 503 `draining`. At the deadline, requests still in flight end with a
+/// `shutdown` error. Returns when nothing is left in flight or at the deadline.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
@@ -136,40 +140,42 @@ pub async fn serve(
         tokio::select! {
             _ = &mut shutdown => break,
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
-            accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        // Typically EMFILE: back off instead of spinning.
-                        tracing::warn!(error = %e, "accept failed");
-                        state.metrics.fail("accept_error");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                conns.spawn(connection(stream, peer, state.clone(), stop_rx.clone()));
+            accepted = accept(&listener, &state) => {
+                if let Some((stream, peer)) = accepted {
+                    conns.spawn(connection(stream, peer, state.clone(), stop_rx.clone(), true));
+                }
             }
         }
     }
-    drop(listener);
     state.shutdown.begin_drain();
     if let Some(pd) = &state.pd {
         pd.drain();
     }
     let _ = stop_tx.send(true);
-    tracing::info!(open_connections = conns.len(), deadline = ?drain, "draining: no new connections; in-flight requests may finish");
+    tracing::info!(open_connections = conns.len(), deadline = ?drain, "draining: no new requests; in-flight requests may finish");
+    // Connections opened while draining serve one request (a probe, a scrape, or a refusal)
+    // and are not waited for.
+    let mut late = JoinSet::new();
     let deadline = tokio::time::Instant::now() + drain;
     let idle =
         |conns: &JoinSet<()>| conns.is_empty() && state.pd.as_ref().is_none_or(|p| p.is_idle());
     while !idle(&conns) {
         tokio::select! {
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            Some(_) = late.join_next(), if !late.is_empty() => {}
+            accepted = accept(&listener, &state) => {
+                if let Some((stream, peer)) = accepted {
+                    late.spawn(connection(stream, peer, state.clone(), stop_rx.clone(), false));
+                }
+            }
             _ = tokio::time::sleep(Duration::from_millis(20)) => {}
             _ = tokio::time::sleep_until(deadline) => break,
         }
     }
+    drop(listener);
     if idle(&conns) {
         tracing::info!("drained: nothing left in flight");
+        late.abort_all();
         return;
     }
     tracing::warn!(
@@ -188,6 +194,24 @@ pub async fn serve(
             "closing the connections left"
         );
         conns.abort_all();
+    }
+    late.abort_all();
+}
+
+/// The next connection, or `None` after a failed accept (typically EMFILE: counted, and
+/// backed off instead of spinning).
+async fn accept(
+    listener: &TcpListener,
+    state: &AppState,
+) -> Option<(tokio::net::TcpStream, SocketAddr)> {
+    match listener.accept().await {
+        Ok(a) => Some(a),
+        Err(e) => {
+            tracing::warn!(error = %e, "accept failed");
+            state.metrics.fail("accept_error");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            None
+        }
     }
 }
 
@@ -225,6 +249,7 @@ async fn connection(
     peer: SocketAddr,
     state: Arc<AppState>,
     mut stop: tokio::sync::watch::Receiver<bool>,
+    keep_alive: bool,
 ) {
     let state_metrics = state.metrics.clone();
     let header_timeout = state.header_read_timeout;
@@ -237,12 +262,14 @@ async fn connection(
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(header_timeout)
+        .keep_alive(keep_alive)
         .serve_connection(TokioIo::new(stream), svc);
     tokio::pin!(conn);
     let res = tokio::select! {
         r = conn.as_mut() => r,
-        // The guard `wait_for` returns is not Send: drop it inside the future.
-        _ = async { drop(stop.wait_for(|s| *s).await) } => {
+        // The guard `wait_for` returns is not Send: drop it inside the future. (A
+        // connection without keep-alive serves one request and closes by itself.)
+        _ = async { drop(stop.wait_for(|s| *s).await) }, if keep_alive => {
             // Finish the request in flight (a stream runs to its end), then close.
             conn.as_mut().graceful_shutdown();
             conn.await
@@ -296,6 +323,15 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
         (Method::GET, "/v1/models") => Ok(models(&state)),
         (Method::POST, "/debug/fault") if state.fault_injection => {
             debug_fault(&state, req.uri().query())
+        }
+        (Method::POST, "/v1/chat/completions" | "/v1/completions")
+            if state.shutdown.is_draining() =>
+        {
+            Err(ApiError::server(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "draining",
+                "the server is shutting down and takes no new requests",
+            ))
         }
         (Method::POST, "/v1/chat/completions") => match body(req).await {
             Ok(b) => completions::chat(state.clone(), b).await,

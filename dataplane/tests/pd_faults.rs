@@ -275,3 +275,64 @@ fn a_prefill_side_failure_is_pushed_to_the_decode_and_logged_once_on_each_side()
     );
     assert_eq!(r.status, 200, "{}", r.body);
 }
+
+/// A prompt whose prefill takes several times the KV timeout (1 s here) still succeeds:
+/// the prefill's PROGRESS keeps the room alive while its engine works, so the timeout
+/// measures silence. Silence still fails: a frozen prefill sends no PROGRESS, and the
+/// room fails with `kv_timeout` about one timeout later.
+#[test]
+fn a_prefill_longer_than_the_kv_timeout_succeeds_while_a_silent_one_times_out() {
+    let env = pd_env(&[("TANDEM_KV_TIMEOUT_SECONDS", "1")]);
+    let kv = free_port();
+    let kv_arg = kv.to_string();
+    // Small chunks: many engine steps per prompt, as on a busy prefill.
+    let mut prefill = Server::spawn(
+        &["--role", "prefill", "--kv-port", &kv_arg],
+        &["--chunk-size", "16"],
+        &env,
+    );
+    prefill.wait_ready();
+    let decode = start_decode(&[kv], &env, true);
+    let long = "one two three four five six seven eight ".repeat(25);
+    let body = json!({"model": MODEL_NAME, "prompt": long, "max_tokens": 2, "temperature": 0});
+    let t = Instant::now();
+    let r = decode.post("/v1/completions", &body);
+    let took = t.elapsed();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        took > Duration::from_secs(3),
+        "the prefill should take several KV timeouts, took {took:?}"
+    );
+    let progress = decode.metric("tandem_kv_progress_messages_total ");
+    assert!(progress >= 3.0, "{progress} PROGRESS messages");
+    assert_eq!(
+        decode.metric("tandem_kv_rooms_total{state=\"failed\",reason=\"kv_timeout\"} "),
+        0.0
+    );
+
+    // The same prompt to a prefill that goes silent mid-prefill (SIGSTOP).
+    let addr = decode.addr;
+    let b = body.to_string();
+    let client =
+        std::thread::spawn(move || common::request(addr, "POST", "/v1/completions", Some(&b)));
+    prefill.wait_for(
+        "the room reached the prefill",
+        Duration::from_secs(10),
+        |s| s.metric("tandem_kv_rooms_opened_total ") == 2.0,
+    );
+    prefill.signal("STOP");
+    let stopped = Instant::now();
+    let r = client.join().unwrap();
+    let waited = stopped.elapsed();
+    prefill.signal("CONT");
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "kv_timeout", "{}", r.body);
+    assert!(
+        waited < Duration::from_secs(4),
+        "failed {waited:?} after the prefill went silent (KV timeout 1 s)"
+    );
+    assert_eq!(
+        decode.metric("tandem_kv_rooms_total{state=\"failed\",reason=\"kv_timeout\"} "),
+        1.0
+    );
+}

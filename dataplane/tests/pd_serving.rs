@@ -201,6 +201,40 @@ fn two_prefills_share_rooms_and_each_gates_readiness() {
             "idle peers share the work"
         );
     }
+    // Least loaded, not round-robin: while one prefill works on a long prompt, every short
+    // request goes to the other one (round-robin would send half of them to the busy one).
+    let opened = |p: &Server| p.metric("tandem_kv_rooms_opened_total ");
+    let before = (opened(&p1), opened(&p2));
+    let long = json!({"model": MODEL_NAME, "max_tokens": 2,
+                      "prompt": "one two three four five six seven eight ".repeat(60)})
+    .to_string();
+    let addr = decode.addr;
+    let busy_request =
+        std::thread::spawn(move || common::request(addr, "POST", "/v1/completions", Some(&long)));
+    decode.wait_for("the long room opened", Duration::from_secs(10), |_| {
+        opened(&p1) + opened(&p2) == before.0 + before.1 + 1.0
+    });
+    let (busy, idle) = if opened(&p1) > before.0 {
+        (&p1, &p2)
+    } else {
+        (&p2, &p1)
+    };
+    let (busy_before, idle_before) = (opened(busy), opened(idle));
+    for _ in 0..4 {
+        assert_eq!(greedy(&decode, "Water boils at", 4), out[0]);
+    }
+    assert!(
+        !busy_request.is_finished(),
+        "the long prompt should still be in prefill"
+    );
+    assert_eq!(
+        opened(idle),
+        idle_before + 4.0,
+        "all short rooms on the idle prefill"
+    );
+    assert_eq!(opened(busy), busy_before, "none on the busy one");
+    assert_eq!(busy_request.join().unwrap().status, 200);
+
     // Losing one prefill makes the decode not-ready (every configured peer must be
     // healthy), but requests keep going to the healthy one.
     drop(p2);
@@ -277,7 +311,22 @@ fn abort_cascade_frees_blocks_on_both_sides() {
         let body = s.get("/metrics").body;
         assert!(opened >= 1.0 && opened <= n as f64, "{body}");
         assert_eq!(done + aborted, opened, "{body}");
-        assert!(!body.contains("state=\"failed\""), "{body}");
+        let failed: f64 = body
+            .lines()
+            .filter(|l| l.starts_with("tandem_kv_rooms_total{state=\"failed\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        assert_eq!(failed, 0.0, "{body}");
+    }
+    // The clients that left while their rooms were still in prefill did abort rooms: at
+    // least one room on each side ended aborted, not done.
+    for s in [&decode, &prefill] {
+        let aborted = s.metric("tandem_kv_rooms_total{state=\"aborted\",reason=\"client_abort\"} ");
+        assert!(
+            aborted > 0.0,
+            "no room was aborted:\n{}",
+            s.get("/metrics").body
+        );
     }
     let t = decode.wait_for("decode ready", Duration::from_secs(1), Server::is_ready);
     assert!(t <= Duration::from_secs(1));

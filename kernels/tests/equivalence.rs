@@ -25,8 +25,14 @@ impl Rng {
 }
 
 fn backends() -> Vec<(&'static str, Box<dyn Kernels>)> {
+    let simd = CpuKernels::with_simd(true);
+    if !format!("{simd:?}").contains("simd: true") {
+        eprintln!(
+            "skipped: this CPU has no AVX2, so the SIMD kernels were not compared (only the portable ones)"
+        );
+    }
     vec![
-        ("cpu-simd", Box::new(CpuKernels::with_simd(true))),
+        ("cpu-simd", Box::new(simd)),
         ("cpu-portable", Box::new(CpuKernels::with_simd(false))),
     ]
 }

@@ -298,6 +298,12 @@ impl DealerLoop {
             Err(e) => {
                 self.metrics.kv.malformed(e.kind());
                 tracing::warn!(peer = %self.addr, kind = e.kind(), error = %e, "malformed KV message dropped");
+                if let crate::kv::DecodeError::WrongVersion { got, want, .. } = e {
+                    self.refused(
+                        crate::kv::RejectReason::VersionMismatch.label(),
+                        format!("the prefill speaks protocol version {got}, this decode {want}"),
+                    );
+                }
                 return;
             }
         };
@@ -684,6 +690,18 @@ impl DealerLoop {
             {
                 self.metrics.kv.handshake("timeout");
                 tracing::warn!(peer = %self.addr, "handshake timed out; retrying");
+                // A refusal seen during this attempt (an unreadable answer: another
+                // protocol version) says more than the timeout it led to: keep it.
+                let since_hello = now.duration_since(*at);
+                let explained = self
+                    .shared
+                    .last_refusal
+                    .get()
+                    .is_some_and(|p| p.at.elapsed().unwrap_or_default() <= since_hello);
+                if explained {
+                    self.set_session(DealerSession::Idle { retry_at: now });
+                    return;
+                }
                 self.refused(
                     "handshake_timeout",
                     format!(

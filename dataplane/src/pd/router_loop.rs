@@ -384,6 +384,20 @@ impl RouterLoop {
             }
             None => false,
         };
+        if let Message::Reject { reason, text } = &env.msg
+            && !authed
+        {
+            // The decode refused our WELCOME (a wrong key, say): note why; never answer a
+            // refusal with another one.
+            self.pending.remove(&peer);
+            self.metrics.kv.handshake(reason.label());
+            tracing::warn!(peer = %hex_id(&peer), reason = reason.label(), %text, "a decode refused this prefill");
+            self.last_refusal = Some((
+                hex_id(&peer),
+                Problem::new(reason.label(), format!("the decode refused us: {text}")),
+            ));
+            return;
+        }
         if !authed {
             // No state for unauthenticated peers; the REJECT (with our incarnation in its
             // header) tells a decode whose session we lost to handshake again, and why.

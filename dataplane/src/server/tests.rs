@@ -4,8 +4,9 @@
 use super::*;
 use crate::scheduler::{self, SchedulerConfig};
 use crate::test_support::fake_runner::{FakeState, fake};
-use crate::test_support::http_client::{HttpResponse, request};
+use crate::test_support::http_client::{HttpResponse, read_chunk, read_head, request, send};
 use crate::tokenizer::{TokenText, TokenizerSpec, token_type};
+use std::io::BufReader;
 use std::sync::Mutex;
 
 const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
@@ -67,6 +68,17 @@ fn start(blocks: usize) -> TestServer {
 }
 
 fn start_with(blocks: usize, cfg: SchedulerConfig) -> TestServer {
+    start_custom(blocks, cfg, Duration::from_secs(5), Duration::from_secs(5)).0
+}
+
+/// A server with its `/ready` engine-stall limit and drain deadline; also the thread that
+/// runs `serve`, which ends when `serve` returns.
+fn start_custom(
+    blocks: usize,
+    cfg: SchedulerConfig,
+    max_heartbeat_age: Duration,
+    drain: Duration,
+) -> (TestServer, std::thread::JoinHandle<()>) {
     let (runner, st) = fake(blocks);
     let tok = Arc::new(toy_tokenizer());
     let metrics = Arc::new(Metrics::new());
@@ -81,7 +93,7 @@ fn start_with(blocks: usize, cfg: SchedulerConfig) -> TestServer {
         context_length: 1024,
         default_max_tokens: 16,
         metrics,
-        max_heartbeat_age: Duration::from_secs(5),
+        max_heartbeat_age,
         header_read_timeout: HEADER_TIMEOUT,
         role: "both",
         shutdown: Default::default(),
@@ -96,19 +108,17 @@ fn start_with(blocks: usize, cfg: SchedulerConfig) -> TestServer {
     let listener = rt.block_on(TcpListener::bind("127.0.0.1:0")).unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    std::thread::spawn(move || {
-        rt.block_on(serve(
-            listener,
-            state,
-            async { drop(rx.await) },
-            Duration::from_secs(5),
-        ));
+    let serving = std::thread::spawn(move || {
+        rt.block_on(serve(listener, state, async { drop(rx.await) }, drain));
     });
-    TestServer {
-        addr,
-        runner: st,
-        stop: Some(tx),
-    }
+    (
+        TestServer {
+            addr,
+            runner: st,
+            stop: Some(tx),
+        },
+        serving,
+    )
 }
 
 fn post(s: &TestServer, path: &str, body: &str) -> HttpResponse {
@@ -472,5 +482,109 @@ fn unfinished_request_head_is_cut_after_the_timeout_and_counted() {
             .contains(r#"tandem_http_connection_errors_total{kind="timeout"} 1"#),
         "{}",
         r.body
+    );
+}
+
+#[test]
+fn ready_fails_with_the_reason_while_the_engine_is_stalled() {
+    let (s, _) = start_custom(
+        1000,
+        SchedulerConfig::default(),
+        Duration::from_millis(300),
+        Duration::from_secs(5),
+    );
+    assert_eq!(request(s.addr, "GET", "/ready", None).status, 200);
+    // Every engine step now takes 1.5 s: a stuck engine, as far as /ready can tell.
+    s.runner.lock().unwrap().step_delay = Duration::from_millis(1500);
+    let addr = s.addr;
+    let client = std::thread::spawn(move || {
+        request(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            Some(&chat_body(r#","max_tokens":1"#)),
+        )
+    });
+    let t = Instant::now();
+    let stalled = loop {
+        let r = request(s.addr, "GET", "/ready", None);
+        if r.status == 503 {
+            break r.json();
+        }
+        assert!(t.elapsed() < Duration::from_secs(3), "/ready never failed");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(stalled["ready"], false);
+    assert_eq!(stalled["reason"], "engine_stalled", "{stalled}");
+    assert_eq!(stalled["checks"][0]["reason"], "engine_stalled");
+    assert!(
+        stalled["message"]
+            .as_str()
+            .unwrap()
+            .contains("limit 300 ms"),
+        "{stalled}"
+    );
+    assert_eq!(client.join().unwrap().status, 200);
+    s.runner.lock().unwrap().step_delay = Duration::ZERO;
+    let t = Instant::now();
+    while request(s.addr, "GET", "/ready", None).status != 200 {
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "/ready never recovered"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The drain: /ready fails with `draining` at once (probes are still answered), new work
+/// is refused with `draining`, a stream in flight runs on until the deadline and then ends
+/// with a `shutdown` error event, and `serve` returns just after the deadline.
+#[test]
+fn draining_fails_ready_refuses_new_work_and_ends_streams_at_the_deadline() {
+    let drain = Duration::from_secs(1);
+    let (mut s, serving) = start_custom(
+        1000,
+        SchedulerConfig::default(),
+        Duration::from_secs(5),
+        drain,
+    );
+    s.runner.lock().unwrap().step_delay = Duration::from_millis(50);
+    let body = chat_body(r#","max_tokens":500,"stream":true"#);
+    let mut r = BufReader::new(send(s.addr, "POST", "/v1/chat/completions", Some(&body)));
+    assert_eq!(read_head(&mut r).0, 200);
+    assert!(read_chunk(&mut r).is_some());
+    let _ = s.stop.take().unwrap().send(());
+    let t = Instant::now();
+    let ready = loop {
+        let v = request(s.addr, "GET", "/ready", None);
+        if v.status == 503 {
+            break v.json();
+        }
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "still ready while draining"
+        );
+    };
+    assert_eq!(ready["reason"], "draining", "{ready}");
+    assert_eq!(ready["checks"][1]["name"], "not_draining");
+    let refused = post(
+        &s,
+        "/v1/completions",
+        r#"{"model":"toy","prompt":"Hi","max_tokens":2}"#,
+    );
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.json()["error"]["code"], "draining");
+    let mut rest = Vec::new();
+    while let Some(c) = read_chunk(&mut r) {
+        rest.extend(c);
+    }
+    let rest = String::from_utf8(rest).unwrap();
+    assert!(rest.contains("\"code\":\"shutdown\""), "{rest}");
+    assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
+    serving.join().unwrap();
+    let took = t.elapsed();
+    assert!(
+        took >= drain && took < drain + Duration::from_millis(500),
+        "serve returned {took:?} after the signal (drain {drain:?})"
     );
 }

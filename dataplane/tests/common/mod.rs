@@ -41,13 +41,23 @@ pub struct Server {
     pub log: PathBuf,
 }
 
-/// A free TCP port on 127.0.0.1 (free when asked; tests use it at once).
+/// A free TCP port on 127.0.0.1 (free when asked; tests use it at once). Never the same
+/// port twice in one test process: servers started together must not race for one port
+/// (nor share a log file, which is named after it).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 impl Server {
@@ -61,6 +71,17 @@ impl Server {
     /// Start the binary with `role_args` (e.g. `--role decode --prefill ...`) and `env`
     /// on a free HTTP port; does not wait.
     pub fn spawn(role_args: &[&str], extra: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawn_in(None, role_args, extra, env)
+    }
+
+    /// [`Server::spawn`] inside a network namespace (`ip netns exec`), listening on every
+    /// address there and reached at `reach` from this process; `None` is the loopback here.
+    pub fn spawn_in(
+        netns: Option<(&str, std::net::IpAddr)>,
+        role_args: &[&str],
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let port = free_port();
         let log = std::env::temp_dir().join(format!("tandem-dataplane-{port}.log"));
         let log_file = std::fs::File::create(&log).unwrap();
@@ -70,11 +91,27 @@ impl Server {
         } else {
             &["--kv-blocks", "256"]
         };
-        let child = Command::new(env!("CARGO_BIN_EXE_tandem-dataplane"))
+        let bin = env!("CARGO_BIN_EXE_tandem-dataplane");
+        let (mut cmd, host, ip) = match netns {
+            None => (
+                Command::new(bin),
+                "127.0.0.1",
+                std::net::IpAddr::from([127, 0, 0, 1]),
+            ),
+            Some((ns, reach)) => {
+                let mut c = Command::new("ip");
+                // `ip netns exec` execs the binary: the child's pid is the server's.
+                c.args(["netns", "exec", ns, bin]);
+                (c, "0.0.0.0", reach)
+            }
+        };
+        // The real model unless the test names another.
+        if !extra.contains(&"--model") {
+            cmd.arg("--model").arg(model_path());
+        }
+        let child = cmd
             .args(role_args)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .arg("--model")
-            .arg(model_path())
+            .args(["--host", host, "--port", &port.to_string()])
             .args(blocks)
             .args(["--log-format", "json"])
             .args(extra)
@@ -84,7 +121,7 @@ impl Server {
             .spawn()
             .expect("spawn tandem-dataplane");
         Self {
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            addr: SocketAddr::new(ip, port),
             child,
             log,
         }
@@ -162,24 +199,44 @@ impl Server {
         request(self.addr, "GET", path, None)
     }
 
-    /// A sample's value in `/metrics` (0 when absent).
+    /// A sample's value in `/metrics`, by the start of its line (name and labels, then a
+    /// space). A missing series fails the test: a renamed metric or label must not read as
+    /// a silent zero (the server creates every known label set at 0 when it starts).
     pub fn metric(&self, line_prefix: &str) -> f64 {
         let body = self.get("/metrics").body;
-        body.lines()
-            .find_map(|l| {
-                l.strip_prefix(line_prefix)
-                    .and_then(|rest| rest.trim().parse().ok())
-            })
-            .unwrap_or(0.0)
+        find_sample(&body, line_prefix).unwrap_or_else(|| {
+            panic!(
+                "no series {line_prefix:?} in /metrics of {}:\n{body}",
+                self.addr
+            )
+        })
     }
 
-    /// The sum of every sample of a family (`name{...} v` lines), 0 when absent.
+    /// The sum of every sample of a family (`name{...} v` lines); a family with no sample
+    /// at all fails the test.
     pub fn metric_sum(&self, name: &str) -> f64 {
         let body = self.get("/metrics").body;
-        body.lines()
+        let values: Vec<f64> = body
+            .lines()
             .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
             .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-            .sum()
+            .collect();
+        assert!(
+            !values.is_empty(),
+            "no series of family {name:?} in /metrics of {}:\n{body}",
+            self.addr
+        );
+        values.iter().sum()
+    }
+
+    /// The `/ready` body (any status).
+    pub fn ready_body(&self) -> serde_json::Value {
+        self.get("/ready").json()
+    }
+
+    /// Resident memory of the process now, in KiB (from /proc).
+    pub fn rss_kib(&self) -> u64 {
+        rss_kib(self.child.id())
     }
 
     /// Lines of the JSON log that contain every one of `needles`.
@@ -202,6 +259,15 @@ impl Server {
             .as_str()
             .unwrap_or_else(|| panic!("{line}"))
             .to_owned()
+    }
+
+    /// SIGTERM, then the time until the process exited and its status (panics after
+    /// `timeout`).
+    pub fn sigterm_and_wait(&mut self, timeout: Duration) -> (Duration, ExitStatus) {
+        let t = Instant::now();
+        self.sigterm();
+        let st = self.wait_exit(timeout);
+        (t.elapsed(), st)
     }
 
     pub fn sigterm(&self) {
@@ -228,6 +294,36 @@ impl Server {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// A sample's value by the start of its line, if the series exists.
+pub fn find_sample(body: &str, line_prefix: &str) -> Option<f64> {
+    body.lines().find_map(|l| {
+        l.strip_prefix(line_prefix)
+            .and_then(|rest| rest.trim().parse().ok())
+    })
+}
+
+/// Resident memory of a process, in KiB (VmRSS from /proc/<pid>/status).
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no VmRSS for {pid}:\n{status}"))
+}
+
+/// The failing checks' reasons and the top-level reason of a `/ready` body.
+pub fn ready_reasons(body: &serde_json::Value) -> Vec<String> {
+    body["checks"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no checks in {body}"))
+        .iter()
+        .filter(|c| c["ok"] == false)
+        .map(|c| c["reason"].as_str().unwrap_or("").to_owned())
+        .collect()
 }
 
 impl Drop for Server {
@@ -274,4 +370,196 @@ pub fn start_decode(kv_ports: &[u16], env: &[(&str, &str)], wait: bool) -> Serve
         s.wait_ready();
     }
     s
+}
+
+/// Two network namespaces, `decode` and `prefill`, joined by a veth pair that carries the
+/// KV traffic (`decode_kv` ↔ `prefill_kv`), plus one veth pair from this namespace to each
+/// for HTTP (`decode_http`, `prefill_http`). Names and addresses are unique per process
+/// and pair, so parallel runs do not collide; dropping it deletes both namespaces (and
+/// with them every veth).
+pub struct NetPair {
+    pub decode: String,
+    pub prefill: String,
+    pub decode_http: std::net::IpAddr,
+    pub prefill_http: std::net::IpAddr,
+    pub prefill_kv: std::net::IpAddr,
+    kv_link: String,
+    root_links: Vec<String>,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl NetPair {
+    /// Build the namespaces; `Err` with the kernel's answer when it refuses (the caller
+    /// skips, saying so).
+    pub fn create(tag: u32) -> Result<Self, String> {
+        let pid = std::process::id();
+        let id = format!("{}{tag}", pid % 100_000);
+        let decode = format!("tandem-{id}-d");
+        let prefill = format!("tandem-{id}-p");
+        ip(&["netns", "add", &decode])?;
+        let mut pair = Self {
+            decode: decode.clone(),
+            prefill: prefill.clone(),
+            decode_http: [0, 0, 0, 0].into(),
+            prefill_http: [0, 0, 0, 0].into(),
+            prefill_kv: [0, 0, 0, 0].into(),
+            kv_link: format!("tkp{id}"),
+            root_links: Vec::new(),
+        };
+        ip(&["netns", "add", &prefill])?;
+        // 10.a.b.0/28 per pair, from the pid and tag: three /30 links.
+        let a = 100 + (pid % 100) as u8;
+        let b = ((pid / 100) as u8).wrapping_add((tag as u8).wrapping_mul(37));
+        let addr = |n: u8| format!("10.{a}.{b}.{n}");
+        for ns in [&decode, &prefill] {
+            ip(&["netns", "exec", ns, "ip", "link", "set", "lo", "up"])?;
+        }
+        // HTTP links from here.
+        for (ns, root_if, ns_if, base) in [
+            (&decode, format!("thd{id}"), format!("thd{id}n"), 0u8),
+            (&prefill, format!("thp{id}"), format!("thp{id}n"), 4u8),
+        ] {
+            ip(&[
+                "link", "add", &root_if, "type", "veth", "peer", "name", &ns_if, "netns", ns,
+            ])?;
+            pair.root_links.push(root_if.clone());
+            ip(&[
+                "addr",
+                "add",
+                &format!("{}/30", addr(base + 1)),
+                "dev",
+                &root_if,
+            ])?;
+            ip(&["link", "set", &root_if, "up"])?;
+            let inside = format!("{}/30", addr(base + 2));
+            ip(&[
+                "netns", "exec", ns, "ip", "addr", "add", &inside, "dev", &ns_if,
+            ])?;
+            ip(&["netns", "exec", ns, "ip", "link", "set", &ns_if, "up"])?;
+        }
+        pair.decode_http = addr(2).parse().unwrap();
+        pair.prefill_http = addr(6).parse().unwrap();
+        // The KV link between the two namespaces.
+        let kd = format!("tkd{id}");
+        let kp = pair.kv_link.clone();
+        ip(&[
+            "netns", "exec", &decode, "ip", "link", "add", &kd, "type", "veth", "peer", "name",
+            &kp, "netns", &prefill,
+        ])?;
+        ip(&[
+            "netns",
+            "exec",
+            &decode,
+            "ip",
+            "addr",
+            "add",
+            &format!("{}/30", addr(9)),
+            "dev",
+            &kd,
+        ])?;
+        ip(&["netns", "exec", &decode, "ip", "link", "set", &kd, "up"])?;
+        ip(&[
+            "netns",
+            "exec",
+            &prefill,
+            "ip",
+            "addr",
+            "add",
+            &format!("{}/30", addr(10)),
+            "dev",
+            &kp,
+        ])?;
+        ip(&["netns", "exec", &prefill, "ip", "link", "set", &kp, "up"])?;
+        pair.prefill_kv = addr(10).parse().unwrap();
+        Ok(pair)
+    }
+
+    /// Cut the KV link (the prefill's end goes down: nothing passes either way, and
+    /// neither process is told).
+    pub fn cut(&self) {
+        ip(&[
+            "netns",
+            "exec",
+            &self.prefill,
+            "ip",
+            "link",
+            "set",
+            &self.kv_link,
+            "down",
+        ])
+        .unwrap();
+    }
+
+    pub fn heal(&self) {
+        ip(&[
+            "netns",
+            "exec",
+            &self.prefill,
+            "ip",
+            "link",
+            "set",
+            &self.kv_link,
+            "up",
+        ])
+        .unwrap();
+    }
+}
+
+impl Drop for NetPair {
+    fn drop(&mut self) {
+        for l in &self.root_links {
+            let _ = ip(&["link", "del", l]);
+        }
+        let _ = ip(&["netns", "del", &self.decode]);
+        let _ = ip(&["netns", "del", &self.prefill]);
+    }
+}
+
+/// A copy of the model that differs in one byte of its metadata (`general.name`), so its
+/// fingerprint differs while it loads and serves the same: a "different model" for the
+/// handshake. Deleted when dropped.
+pub struct OtherModel(pub PathBuf);
+
+impl OtherModel {
+    pub fn new() -> Self {
+        let mut bytes = std::fs::read(model_path()).unwrap();
+        let needle = b"Smollm2 135M";
+        let at = bytes[..65536]
+            .windows(needle.len())
+            .position(|w| w == needle)
+            .expect("general.name in the model's metadata");
+        bytes[at + 6] = b'3';
+        let path = std::env::temp_dir().join(format!(
+            "tandem-other-model-{}-{}.gguf",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::write(&path, bytes).unwrap();
+        Self(path)
+    }
+
+    pub fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for OtherModel {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
