@@ -186,6 +186,10 @@ pub fn supervise<S: Supervised>(
     health: Arc<LoopHealth>,
     metrics: Arc<Metrics>,
 ) -> std::io::Result<JoinHandle<()>> {
+    // The loop's restart series exists (at 0) from its start.
+    let _ = metrics.kv.loop_restarts.get_or_create(&LoopLabels {
+        r#loop: health.name.clone(),
+    });
     std::thread::Builder::new()
         .name(format!("tandem-{}", health.name))
         .spawn(move || {

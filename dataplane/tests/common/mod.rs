@@ -4,6 +4,7 @@
 
 #[path = "../../src/test_support/http_client.rs"]
 pub mod http_client;
+pub mod load;
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
@@ -74,6 +75,11 @@ impl Server {
         Self::spawn_in(None, role_args, extra, env)
     }
 
+    /// [`Server::spawn`] on a given HTTP port (a restarted server where clients expect it).
+    pub fn spawn_on(port: u16, role_args: &[&str], extra: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawn_full(None, Some(port), role_args, extra, env)
+    }
+
     /// [`Server::spawn`] inside a network namespace (`ip netns exec`), listening on every
     /// address there and reached at `reach` from this process; `None` is the loopback here.
     pub fn spawn_in(
@@ -82,8 +88,24 @@ impl Server {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Self {
-        let port = free_port();
-        let log = std::env::temp_dir().join(format!("tandem-dataplane-{port}.log"));
+        Self::spawn_full(netns, None, role_args, extra, env)
+    }
+
+    fn spawn_full(
+        netns: Option<(&str, std::net::IpAddr)>,
+        port: Option<u16>,
+        role_args: &[&str],
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
+        let port = port.unwrap_or_else(free_port);
+        // One log per process start (a restart on the same port keeps the old log).
+        static STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = STARTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log = std::env::temp_dir().join(format!(
+            "tandem-dataplane-{}-{port}-{n}.log",
+            std::process::id()
+        ));
         let log_file = std::fs::File::create(&log).unwrap();
         // 256 KV blocks unless the test asks for another size.
         let blocks: &[&str] = if extra.contains(&"--kv-blocks") {
