@@ -6,7 +6,7 @@ MODEL_DIR := $(CURDIR)/.cache/models
 export TANDEM_PYTHON := $(PYTHON)
 export TANDEM_MODEL_DIR := $(MODEL_DIR)
 
-.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test bench bench-pd
+.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test bench bench-pd faults
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests)
 test: lint crd-check pyenv model unit validate-crd cuda-check
@@ -51,6 +51,16 @@ bench-pd: model
 	cargo build --release -p tandem-dataplane --bin tandem-dataplane --example bench_pd
 	cat /proc/loadavg
 	./target/release/examples/bench_pd --model $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
+
+## faults: the fault matrix (dataplane/tests/fault_matrix.rs) in release, every fault three
+## times against real processes under load: time until visible and healed, requests in
+## error and never ended, KV blocks leaked, the log line and counter that named it (prints
+## the table in BENCHMARKS.md). `make test` runs each fault once, in the debug build.
+faults: model
+	cargo build --release -p tandem-dataplane --bin tandem-dataplane --test fault_matrix
+	cat /proc/loadavg
+	TANDEM_FAULTS_REPS=3 cargo test --release -p tandem-dataplane --test fault_matrix -- --nocapture
+	cat /proc/loadavg
 
 ## crds: regenerate crds/ from the Rust types
 crds:

@@ -282,6 +282,11 @@ fn hostile_input_is_counted_by_kind_and_serving_continues() {
         ),
         (2.0, 1.0, 1.0)
     );
+    assert_eq!(
+        h("version_mismatch"),
+        1.0,
+        "the other version was refused and counted"
+    );
     assert_eq!(h("ok"), 2.0, "the real decode and the test client");
     // One room (the first PREFILL for 900), done; the duplicates opened nothing.
     assert_eq!(prefill.metric("tandem_kv_rooms_opened_total "), 1.0);

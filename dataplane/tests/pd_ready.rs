@@ -150,6 +150,7 @@ fn a_prefill_of_another_protocol_version_is_named() {
         .unwrap();
     let body = wait_reason(&decode, "version_mismatch");
     let peer = check_format(&body, "version_mismatch");
+    assert!(decode.metric("tandem_kv_handshakes_total{result=\"version_mismatch\"} ") >= 1.0);
     let msg = peer["last_refusal"]["message"].as_str().unwrap();
     assert!(
         msg.contains("version 2") && msg.contains(&format!("{}", kv::PROTOCOL_VERSION)),

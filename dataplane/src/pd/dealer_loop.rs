@@ -299,6 +299,9 @@ impl DealerLoop {
                 self.metrics.kv.malformed(e.kind());
                 tracing::warn!(peer = %self.addr, kind = e.kind(), error = %e, "malformed KV message dropped");
                 if let crate::kv::DecodeError::WrongVersion { got, want, .. } = e {
+                    self.metrics
+                        .kv
+                        .handshake(crate::kv::RejectReason::VersionMismatch.label());
                     self.refused(
                         crate::kv::RejectReason::VersionMismatch.label(),
                         format!("the prefill speaks protocol version {got}, this decode {want}"),

@@ -217,6 +217,9 @@ impl RouterLoop {
                 self.metrics.kv.malformed(e.kind());
                 tracing::warn!(peer = %hex_id(peer), kind = e.kind(), error = %e, "malformed KV message dropped");
                 if let DecodeError::WrongVersion { got, .. } = e {
+                    self.metrics
+                        .kv
+                        .handshake(RejectReason::VersionMismatch.label());
                     self.reject(
                         peer,
                         RejectReason::VersionMismatch,
