@@ -276,31 +276,32 @@ fn a_prefill_side_failure_is_pushed_to_the_decode_and_logged_once_on_each_side()
     assert_eq!(r.status, 200, "{}", r.body);
 }
 
-/// A prompt whose prefill takes several times the KV timeout (1 s here) still succeeds:
+/// A prompt whose prefill takes several times the KV timeout (2 s here) still succeeds:
 /// the prefill's PROGRESS keeps the room alive while its engine works, so the timeout
 /// measures silence. Silence still fails: a frozen prefill sends no PROGRESS, and the
 /// room fails with `kv_timeout` about one timeout later.
 #[test]
 fn a_prefill_longer_than_the_kv_timeout_succeeds_while_a_silent_one_times_out() {
-    let env = pd_env(&[("TANDEM_KV_TIMEOUT_SECONDS", "1")]);
+    let env = pd_env(&[("TANDEM_KV_TIMEOUT_SECONDS", "2")]);
     let kv = free_port();
     let kv_arg = kv.to_string();
-    // Small chunks: many engine steps per prompt, as on a busy prefill.
+    // Tiny chunks: many engine steps per prompt, as on a busy prefill, so the prefill
+    // takes several KV timeouts even on a fast machine.
     let mut prefill = Server::spawn(
         &["--role", "prefill", "--kv-port", &kv_arg],
-        &["--chunk-size", "16"],
+        &["--chunk-size", "4"],
         &env,
     );
     prefill.wait_ready();
     let decode = start_decode(&[kv], &env, true);
-    let long = "one two three four five six seven eight ".repeat(25);
+    let long = "one two three four five six seven eight ".repeat(50);
     let body = json!({"model": MODEL_NAME, "prompt": long, "max_tokens": 2, "temperature": 0});
     let t = Instant::now();
     let r = decode.post("/v1/completions", &body);
     let took = t.elapsed();
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(
-        took > Duration::from_secs(3),
+        took > Duration::from_secs(4),
         "the prefill should take several KV timeouts, took {took:?}"
     );
     let progress = decode.metric("tandem_kv_progress_messages_total ");
@@ -328,8 +329,8 @@ fn a_prefill_longer_than_the_kv_timeout_succeeds_while_a_silent_one_times_out() 
     assert_eq!(r.status, 503, "{}", r.body);
     assert_eq!(r.json()["error"]["code"], "kv_timeout", "{}", r.body);
     assert!(
-        waited < Duration::from_secs(4),
-        "failed {waited:?} after the prefill went silent (KV timeout 1 s)"
+        waited < Duration::from_secs(5),
+        "failed {waited:?} after the prefill went silent (KV timeout 2 s)"
     );
     assert_eq!(
         decode.metric("tandem_kv_rooms_total{state=\"failed\",reason=\"kv_timeout\"} "),

@@ -13,10 +13,10 @@ use super::dealer_loop::{
     Command, DealerConfig, DealerLoop, PeerShared, RoomFailure, STATE_ESTABLISHED,
     STATE_HANDSHAKING,
 };
-use super::report::PeerReport;
-use super::supervise::{Lifecycle, LoopThreads};
+use super::report::{Check, PeerReport, loop_check, loop_stale_after};
+use super::settings::{ChannelConfig, random_id};
+use super::supervise::{Lifecycle, LoopHealth, LoopThreads, supervise};
 use super::wire;
-use super::{ChannelConfig, Check, LoopHealth, loop_check, loop_stale_after, random_id, supervise};
 use crate::config::PdTimings;
 use crate::engine_api::ModelInfo;
 use crate::kv::{FailCode, PrefillRequest};

@@ -5,8 +5,9 @@
 //! supervised (`supervise`) and share the ZeroMQ plumbing (`wire`). The protocol itself
 //! (codec, handshake, rooms) is `crate::kv`.
 //!
-//! Imports run one way: handle → loop → `supervise` / `wire` / `crate::kv`; a loop never
-//! reaches back into its handle.
+//! Imports run one way: `PdRole` (here) → handle → loop → the leaves `report` (readiness
+//! checks and peer reports), `settings` (what a channel is started with), `supervise`,
+//! `wire`, and `crate::kv`. No module imports from one above it.
 //!
 //! Threads: every socket is owned by exactly one loop thread (ZeroMQ sockets are not
 //! thread safe). The engine thread and the HTTP tasks talk to the loops only through
@@ -19,74 +20,21 @@ pub mod decode;
 pub mod prefill;
 pub mod report;
 mod router_loop;
+pub mod settings;
 mod supervise;
 #[cfg(test)]
 mod tests;
 mod wire;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use crate::engine_api::ModelInfo;
-use crate::kv::KvLayout;
-use crate::kv::auth::LocalIdentity;
+use std::time::Instant;
 
 pub use dealer_loop::RoomFailure;
 pub use decode::DecodeHandle;
 pub use prefill::PrefillHandle;
-pub use report::{PeerReport, Problem};
+pub use report::{Check, PeerReport, Problem};
+pub use settings::{ChannelConfig, PdLimits, local_identity, random_id};
 pub use supervise::{Fault, LoopHealth, supervise};
-
-/// One `/ready` check. `reason` is a stable snake_case label when the check fails
-/// (docs/readiness.md lists them), `None` when it passes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Check {
-    pub name: String,
-    pub ok: bool,
-    pub reason: Option<String>,
-    pub detail: String,
-}
-
-impl Check {
-    pub fn new(name: impl Into<String>, ok: bool, fail_reason: &str, detail: String) -> Self {
-        Self {
-            name: name.into(),
-            ok,
-            reason: (!ok).then(|| fail_reason.to_owned()),
-            detail,
-        }
-    }
-}
-
-/// Settings of the KV channel beyond its timings.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PdLimits {
-    /// Most KV bytes in flight to one peer (sent, not yet acknowledged); see `kv` module
-    /// header, "flow control".
-    pub send_budget: u64,
-    /// Prefill: PROGRESS keep-alives stop when the engine loop has not gone round for this
-    /// long (the `/ready` engine-stall limit).
-    pub engine_stall: Duration,
-}
-
-impl Default for PdLimits {
-    fn default() -> Self {
-        Self {
-            send_budget: 256 << 20,
-            engine_stall: Duration::from_secs(10),
-        }
-    }
-}
-
-/// What either side's KV channel is started with.
-#[derive(Debug, Clone)]
-pub struct ChannelConfig {
-    /// What this process claims in the handshake.
-    pub local: LocalIdentity,
-    pub key: crate::kv::auth::GroupKey,
-    pub timings: crate::config::PdTimings,
-    pub limits: PdLimits,
-}
 
 /// The PD side of a process, for `/ready`, request routing and shutdown.
 pub enum PdRole {
@@ -145,56 +93,4 @@ impl PdRole {
             Self::Decode(d) => d.stop(deadline),
         }
     }
-}
-
-/// What this process claims in the handshake.
-pub fn local_identity(
-    info: &ModelInfo,
-    kv_dtype: u32,
-    incarnation: u64,
-    group_incarnation: u64,
-) -> LocalIdentity {
-    LocalIdentity {
-        incarnation,
-        group_incarnation,
-        fingerprint: info.fingerprint.clone(),
-        layout: KvLayout {
-            dtype: kv_dtype,
-            layers: info.n_layers as u32,
-            kv_heads: info.n_kv_heads as u32,
-            head_dim: info.head_dim as u32,
-            block_size: info.kv_block_size as u32,
-        },
-    }
-}
-
-/// A random non-zero 64-bit id (process incarnations, room ids, nonces).
-pub fn random_id() -> u64 {
-    loop {
-        let v: u64 = rand::random();
-        if v != 0 {
-            return v;
-        }
-    }
-}
-
-/// How long a loop may go without a heartbeat before `/ready` calls it stuck.
-fn loop_stale_after(probe_period: Duration) -> Duration {
-    probe_period.max(Duration::from_millis(500))
-}
-
-/// The `/ready` check of one loop's heartbeat.
-fn loop_check(health: &LoopHealth, stale_after: Duration) -> Check {
-    let age = health.age();
-    Check::new(
-        format!("loop_{}", health.name),
-        age <= stale_after,
-        "loop_stalled",
-        format!(
-            "heartbeat {} ms ago (limit {} ms), {} restarts",
-            age.as_millis(),
-            stale_after.as_millis(),
-            health.restarts()
-        ),
-    )
 }

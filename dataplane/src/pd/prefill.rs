@@ -6,23 +6,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::report::{PeerReport, Problem};
-use super::router_loop::{RouterConfig, RouterLoop};
-use super::supervise::{Lifecycle, LoopThreads};
+use super::report::{Check, PeerReport, loop_check, loop_stale_after};
+use super::router_loop::{RouterConfig, RouterLoop, RouterReport};
+use super::settings::ChannelConfig;
+use super::supervise::{Lifecycle, LoopHealth, LoopThreads, supervise};
 use super::wire;
-use super::{ChannelConfig, Check, LoopHealth, loop_check, loop_stale_after, supervise};
 use crate::metrics::Metrics;
 use crate::scheduler::EngineHandle;
-
-/// What the router loop publishes for `/ready` (a few times a second).
-#[derive(Debug, Default)]
-pub(super) struct RouterReport {
-    /// The most recently seen decode sessions (at most `router_loop::REPORTED_PEERS`).
-    pub(super) peers: Vec<PeerReport>,
-    /// The last handshake this prefill refused, or session it dropped, with the peer's
-    /// routing id.
-    pub(super) last_refusal: Option<(String, Problem)>,
-}
 
 pub struct PrefillHandle {
     bound: Arc<AtomicBool>,

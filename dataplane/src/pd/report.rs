@@ -4,9 +4,53 @@
 //! local runtime copy `reason` into the group's `BootstrapHealthy` condition.
 
 use std::sync::Mutex;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use serde_json::{Value, json};
+
+use super::supervise::LoopHealth;
+
+/// One `/ready` check. `reason` is a stable snake_case label when the check fails
+/// (docs/readiness.md lists them), `None` when it passes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    pub name: String,
+    pub ok: bool,
+    pub reason: Option<String>,
+    pub detail: String,
+}
+
+impl Check {
+    pub fn new(name: impl Into<String>, ok: bool, fail_reason: &str, detail: String) -> Self {
+        Self {
+            name: name.into(),
+            ok,
+            reason: (!ok).then(|| fail_reason.to_owned()),
+            detail,
+        }
+    }
+}
+
+/// How long a loop may go without a heartbeat before `/ready` calls it stuck.
+pub(super) fn loop_stale_after(probe_period: Duration) -> Duration {
+    probe_period.max(Duration::from_millis(500))
+}
+
+/// The `/ready` check of one loop's heartbeat.
+pub(super) fn loop_check(health: &LoopHealth, stale_after: Duration) -> Check {
+    let age = health.age();
+    Check::new(
+        format!("loop_{}", health.name),
+        age <= stale_after,
+        "loop_stalled",
+        format!(
+            "heartbeat {} ms ago (limit {} ms), {} restarts",
+            age.as_millis(),
+            stale_after.as_millis(),
+            health.restarts()
+        ),
+    )
+}
 
 /// One refusal or failure: a reason label (snake_case, the same as the metric label), a
 /// sentence for people, and when it happened.

@@ -12,11 +12,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::error::TryRecvError;
 
-use super::prefill::RouterReport;
 use super::report::{PeerReport, Problem};
-use super::supervise::{Lifecycle, Phase, Supervised};
+use super::settings::PdLimits;
+use super::supervise::{Lifecycle, LoopHealth, Phase, Supervised};
 use super::wire::{self, hex_id};
-use super::{LoopHealth, PdLimits};
 use crate::config::PdTimings;
 use crate::kv::auth::{self, GroupKey, LocalIdentity, Pending};
 use crate::kv::room::{Deadlines, RoomState, RoomTable};
@@ -39,6 +38,16 @@ const DROPPED_REMEMBERED: usize = 1024;
 pub(super) const REPORTED_PEERS: usize = 32;
 /// How often the loop publishes its report for `/ready`.
 const REPORT_EVERY: Duration = Duration::from_millis(100);
+
+/// What the loop publishes for `/ready` (a few times a second).
+#[derive(Debug, Default)]
+pub(super) struct RouterReport {
+    /// The most recently seen decode sessions (at most `REPORTED_PEERS`).
+    pub(super) peers: Vec<PeerReport>,
+    /// The last handshake this prefill refused, or session it dropped, with the peer's
+    /// routing id.
+    pub(super) last_refusal: Option<(String, Problem)>,
+}
 
 /// What a `RouterLoop` is built from.
 pub(super) struct RouterConfig {
