@@ -23,6 +23,8 @@ use serde_json::json;
 const PROBE: Duration = Duration::from_millis(500);
 const VISIBLE_TARGET: Duration = Duration::from_secs(1);
 const HEALED_TARGET: Duration = Duration::from_secs(10);
+/// Readiness that lasts this long after a fault counts as healed.
+const STABLE: Duration = Duration::from_secs(2);
 
 fn env() -> Vec<(&'static str, &'static str)> {
     vec![
@@ -147,15 +149,12 @@ impl Trial {
         counter_moved: Option<Instant>,
     ) {
         let not_ready = self.monitor.first_not_ready(fault_at);
-        // Healed: ready again after the fault ended (and after it was seen, if it was),
-        // then a request started after that succeeded.
-        let from = match &not_ready {
-            Some((t, _)) if *t > fault_end => *t,
-            _ => fault_end,
-        };
+        // Healed: the first stretch of readiness after the fault ended that lasts (a stale
+        // "ready" before the fault shows is not healing), then a request started after its
+        // start succeeded.
         let deadline = Instant::now() + Duration::from_secs(60);
         let ready_at = loop {
-            if let Some(t) = self.monitor.first_ready(from) {
+            if let Some(t) = self.monitor.stable_ready_since(fault_end, STABLE) {
                 break Some(t);
             }
             if Instant::now() > deadline {
@@ -175,8 +174,9 @@ impl Trial {
                 }
                 std::thread::sleep(Duration::from_millis(50));
             };
-            if ok_after.is_some() {
-                row.healed = Some(r.saturating_duration_since(fault_end));
+            // Healed when both hold: ready for good, and requests succeed again.
+            if let Some(ok) = ok_after {
+                row.healed = Some(r.max(ok.started).saturating_duration_since(fault_end));
             }
         }
         let outcomes = self.load.stop();

@@ -833,6 +833,7 @@ impl DealerLoop {
                     text: "the decode is shutting down".into(),
                 },
             );
+            std::thread::sleep(wire::CLOSE_GRACE);
         }
         self.set_session(DealerSession::Idle {
             retry_at: Instant::now() + Duration::from_secs(3600),

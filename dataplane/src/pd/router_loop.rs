@@ -796,6 +796,9 @@ impl RouterLoop {
             self.fail_room(id, FailCode::Shutdown, "this prefill is shutting down");
         }
         self.publish(Instant::now() + REPORT_EVERY);
+        if !self.sessions.is_empty() {
+            std::thread::sleep(wire::CLOSE_GRACE);
+        }
         wire::set_close_linger(&self.sock);
         tracing::info!(rooms_failed = ids.len(), "KV loop stopped");
     }

@@ -8,6 +8,10 @@ const HWM: i32 = 10_000;
 /// How long a closing socket may still flush what it queued (the last FAILED and GOODBYE
 /// of a shutdown) before it is dropped: bounded, so closing never holds a process up.
 pub(super) const CLOSE_LINGER_MS: i32 = 200;
+/// How long a loop keeps its connections open after its last FAILED and GOODBYE: libzmq
+/// discards what a peer has received but not yet read when the connection closes, so the
+/// peer's loop (which polls every `POLL_MS`) needs a moment to read them.
+pub(super) const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_millis(150);
 /// Longest a loop waits in `poll` before going round (heartbeat, deadlines, commands).
 pub(super) const POLL_MS: i64 = 10;
 /// Most inbound messages handled per loop iteration, so timers still run under a flood.

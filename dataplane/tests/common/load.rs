@@ -241,20 +241,32 @@ impl Monitor {
         })
     }
 
-    /// First time at or after `since` that the target was ready.
-    pub fn first_ready(&self, since: Instant) -> Option<Instant> {
+    /// Start of the first period at or after `since` in which the target was ready for at
+    /// least `stable` without a break (a blip of readiness before the fault shows does not
+    /// count as healed). `None` while there is none yet.
+    pub fn stable_ready_since(&self, since: Instant, stable: Duration) -> Option<Instant> {
         let c = self.changes.lock().unwrap();
-        let ready_at_since = c
-            .iter()
-            .rev()
-            .find(|(t, _)| *t <= since)
-            .is_some_and(|(_, r)| r.is_none());
-        if ready_at_since {
-            return Some(since);
+        // (start, ready) intervals from `since` on.
+        let mut points: Vec<(Instant, bool)> = Vec::new();
+        if let Some((_, r)) = c.iter().rev().find(|(t, _)| *t <= since) {
+            points.push((since, r.is_none()));
         }
-        c.iter()
-            .find(|(t, r)| *t >= since && r.is_none())
-            .map(|(t, _)| *t)
+        points.extend(
+            c.iter()
+                .filter(|(t, _)| *t > since)
+                .map(|(t, r)| (*t, r.is_none())),
+        );
+        let now = Instant::now();
+        for (i, &(t, ready)) in points.iter().enumerate() {
+            if !ready {
+                continue;
+            }
+            let until = points.get(i + 1).map_or(now, |p| p.0);
+            if until.duration_since(t) >= stable {
+                return Some(t);
+            }
+        }
+        None
     }
 }
 
