@@ -186,11 +186,19 @@ impl MockApi {
             (method, uri.to_string()),
             "unexpected request; body: {body}"
         );
+        let content_type = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_string());
+        // Every request the controller makes is one the chart's RBAC allows.
+        testutil::rbac::assert_allowed(
+            &parts.method,
+            &parts.uri.to_string(),
+            content_type.as_deref(),
+            &body,
+        );
         Seen {
-            content_type: parts
-                .headers
-                .get(http::header::CONTENT_TYPE)
-                .map(|v| v.to_str().unwrap().to_string()),
+            content_type,
             body,
             respond,
         }
