@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Container images of the operator and the CPU dataplane (docker/*.Dockerfile, FROM scratch).
 #
-#   scripts/images.sh static   build the two static binaries and check them: no dynamic
-#                              section (`ldd`: not a dynamic executable), `--version` and
-#                              `--help` run in an empty root with nothing but the binary
+#   scripts/images.sh static   build the two static binaries and check them: no shared
+#                              library and no loader (readelf), `--version` and `--help`
+#                              run in an empty root with nothing but the binary, and a
+#                              prefill + decode serve a chat request from an empty root
 #   scripts/images.sh build    static, then `docker build` both images
 #   scripts/images.sh test     what `make test` runs: where a Docker daemon answers, build
 #                              both images and run `--version` and `--help` in each; where
@@ -56,27 +57,87 @@ check_output() { # name, what, output
 check_static() {
   for b in "${bins[@]}"; do
     local path="$bin_dir/$b"
-    if ldd "$path" >/dev/null 2>&1; then
-      ldd "$path" >&2
-      echo "$path is dynamically linked" >&2
+    # A static-pie binary keeps a dynamic section for its own relocations, but names no
+    # shared library (NEEDED) and no loader (INTERP).
+    if readelf -d "$path" | grep -q NEEDED || readelf -l "$path" | grep -q INTERP; then
+      readelf -d "$path" | grep NEEDED >&2 || true
+      echo "$path needs shared libraries or a loader" >&2
       return 1
     fi
     # An empty root with only the binary, as in the scratch image.
     local jail
     jail="$(mktemp -d)"
+    chmod 755 "$jail"
     cp "$path" "$jail/$b"
     for what in --version --help; do
       local out
       if [[ "$(id -u)" == 0 ]] && command -v chroot >/dev/null; then
-        out="$(chroot --userspec=65532:65532 "$jail" "/$b" "$what" 2>&1)"
+        out="$(chroot --userspec=65532:65532 "$jail" "/$b" "$what" 2>&1)" || true
       else
-        out="$(env -i "$jail/$b" "$what" 2>&1)"
+        out="$(env -i "$jail/$b" "$what" 2>&1)" || true
       fi
       check_output "$b" "$what" "$out"
     done
     rm -rf "$jail"
-    echo "static: $path ($(du -h "$path" | cut -f1)), no dynamic section, --version/--help run alone"
+    echo "static: $path ($(du -h "$path" | cut -f1)): no shared library, no loader; --version and --help run alone as 65532"
   done
+}
+
+# PD serving from the static binaries in an empty root, as the scratch image runs them:
+# only the binary, the model, what the kubelet mounts (/etc/hosts, /etc/resolv.conf) and
+# the devices every OCI runtime provides (/dev/null, /dev/random, /dev/urandom), as UID
+# 65532. The decode reaches its prefill by a host name, as on a cluster. Needs root
+# (chroot, mknod) and the model (make model); says so and skips otherwise.
+serve_in_root() {
+  local model="${TANDEM_MODEL_DIR:-$root/.cache/models}/SmolLM2-135M-Instruct.Q4_1.gguf"
+  if [[ "$(id -u)" != 0 ]] || ! command -v chroot >/dev/null || [[ ! -f "$model" ]]; then
+    echo "static: serving check skipped (needs root, chroot and the model)"
+    return 0
+  fi
+  local jail pids=()
+  jail="$(mktemp -d)"
+  chmod 755 "$jail"
+  mkdir -p "$jail/etc" "$jail/dev" "$jail/models"
+  cp "$bin_dir/tandem-dataplane" "$jail/"
+  cp "$model" "$jail/models/m.gguf"
+  chmod 444 "$jail/models/m.gguf"
+  cp /etc/resolv.conf "$jail/etc/resolv.conf" 2>/dev/null || true
+  printf '127.0.0.1 localhost
+127.0.0.1 prefill-0.demo-g0-bootstrap.default.svc
+' >"$jail/etc/hosts"
+  mknod -m 666 "$jail/dev/null" c 1 3
+  mknod -m 666 "$jail/dev/random" c 1 8
+  mknod -m 666 "$jail/dev/urandom" c 1 9
+  local http kv
+  http=$((20000 + RANDOM % 20000)); kv=$((http + 1))
+  local run=(chroot --userspec=65532:65532 "$jail" /tandem-dataplane --model /models/m.gguf
+             --served-model-name m --group-key static-check --kv-blocks 256)
+  "${run[@]}" --role prefill --port $((http + 2)) --kv-port "$kv" >"$jail/prefill.log" 2>&1 &
+  pids+=($!)
+  "${run[@]}" --role decode --port "$http" \
+    --prefill "prefill-0.demo-g0-bootstrap.default.svc:$kv" >"$jail/decode.log" 2>&1 &
+  pids+=($!)
+  local ok=0 body=""
+  for _ in $(seq 1 120); do
+    if curl -sf "http://127.0.0.1:$http/ready" >/dev/null 2>&1; then ok=1; break; fi
+    sleep 1
+  done
+  if [[ $ok == 1 ]]; then
+    body="$(curl -sf "http://127.0.0.1:$http/v1/chat/completions" -H 'content-type: application/json' \
+      -d '{"model":"m","messages":[{"role":"user","content":"Hi"}],"max_tokens":8}')" || ok=0
+  fi
+  kill -TERM "${pids[@]}" 2>/dev/null || true
+  for _ in $(seq 1 40); do kill -0 "${pids[@]}" 2>/dev/null || break; sleep 1; done
+  kill -KILL "${pids[@]}" 2>/dev/null || true
+  wait "${pids[@]}" 2>/dev/null || true
+  if [[ $ok != 1 || "$body" != *'"completion_tokens":'* ]]; then
+    tail -20 "$jail/prefill.log" "$jail/decode.log" >&2
+    rm -rf "$jail"
+    echo "static: PD serving in an empty root failed (response: ${body:-none})" >&2
+    return 1
+  fi
+  rm -rf "$jail"
+  echo "static: prefill + decode served a chat request from an empty root as 65532 (peer found by host name)"
 }
 
 build_images() {
@@ -95,14 +156,16 @@ run_images() {
     user="$(docker image inspect -f '{{.Config.User}}' "${image[$b]}")"
     [[ "$user" == "65532:65532" ]] || { echo "${image[$b]} runs as '$user'" >&2; return 1; }
     for what in --version --help; do
-      check_output "$b" "$what" "$(docker run --rm --network none "${image[$b]}" "$what" 2>&1)"
+      local out
+      out="$(docker run --rm --network none "${image[$b]}" "$what" 2>&1)" || true
+      check_output "$b" "$what" "$out"
     done
     echo "ran ${image[$b]} --version and --help as 65532"
   done
 }
 
 case "${1:-}" in
-  static) build_static && check_static ;;
+  static) build_static && check_static && serve_in_root ;;
   build) build_static && check_static && build_images ;;
   test)
     if ! command -v docker >/dev/null || ! docker info >/dev/null 2>&1; then
