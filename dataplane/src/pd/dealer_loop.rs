@@ -103,7 +103,8 @@ enum DealerSession {
 struct DealerRoom {
     reply: tmpsc::Sender<Result<(), RoomFailure>>,
     /// Delivers the KV into the engine's reserved sequence. Dropped with the room: only
-    /// then does the engine free the reservation (after ABORT_ACK for an abort, rule 8).
+    /// then does the engine free the reservation (after ABORT_ACK for an abort, rule 8 in
+    /// docs/architecture.md).
     kv: tmpsc::Sender<ImportedKv>,
     req: Option<PrefillRequest>,
     prompt_len: usize,
@@ -278,7 +279,8 @@ impl DealerLoop {
         }
     }
 
-    /// Fail the rooms that belong to another prefill incarnation than `current` (rule 4).
+    /// Fail the rooms that belong to another prefill incarnation than `current`
+    /// (docs/architecture.md rule 4).
     fn fail_rooms_of_old_incarnations(&mut self, current: u64) {
         for id in self.rooms.ids() {
             let stale = self.rooms.get(id).is_some_and(|r| {
@@ -311,7 +313,8 @@ impl DealerLoop {
                 return;
             }
         };
-        // Rule 4: a new prefill incarnation invalidates everything about the old one.
+        // Rule 4 (docs/architecture.md): a new prefill incarnation invalidates everything
+        // about the old one.
         if let Some(known) = self.known_incarnation()
             && hdr.incarnation != known
         {
@@ -430,7 +433,8 @@ impl DealerLoop {
             }
             Message::AbortAck => {
                 if let Some(r) = self.rooms.abort_acked(env.room) {
-                    drop(r); // the KV buffer is released only now (rule 8)
+                    // The KV buffer is released only now (docs/architecture.md rule 8).
+                    drop(r);
                     self.metrics.kv.room("aborted", "client_abort");
                     tracing::info!(room = env.room, peer = %self.addr, "room aborted and acknowledged");
                 }
@@ -760,7 +764,8 @@ impl DealerLoop {
     }
 
     /// Fail a room: tell the HTTP request, push FAILED to the prefill when it knows the
-    /// room (rule 6), log once with room, peer, incarnation and reason, count.
+    /// room (docs/architecture.md rule 6), log once with room, peer, incarnation and reason,
+    /// count.
     fn fail_room(&mut self, id: u64, code: FailCode, text: &str, tell_peer: bool) {
         let Some(r) = self.rooms.finish(id, RoomState::Failed(code)) else {
             return;

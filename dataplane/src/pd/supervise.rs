@@ -1,6 +1,7 @@
-//! Supervision of the socket loops (rule 3): a panic is caught, counted and logged, the
-//! loop's `after_panic` fails the rooms it owned, and the loop runs again. Each loop beats a
-//! heartbeat that `/ready` checks, so a dead or stuck loop turns the process not-ready.
+//! Supervision of the socket loops (rule 3 in docs/architecture.md): a panic is caught,
+//! counted and logged, the loop's `after_panic` fails the rooms it owned, and the loop runs
+//! again. Each loop beats a heartbeat that `/ready` checks, so a dead or stuck loop turns
+//! the process not-ready.
 //!
 //! Lifecycle: every loop reads its [`Lifecycle`] once per iteration (at most `wire::POLL_MS`
 //! apart). `drain` asks it to take no new work; `stop` asks it to end what is left with a

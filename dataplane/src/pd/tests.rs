@@ -1,6 +1,7 @@
 //! In-process tests of the PD loops with real ZeroMQ sockets and the production loops:
 //! supervision and readiness of both sides' loops (rule 3), sends bounded in bytes and never
-//! blocking (rule 10), and eviction at the session cap. The prefill runs on the toy engine
+//! blocking (rule 10; rules as numbered in `docs/architecture.md`), and eviction at the
+//! session cap. The prefill runs on the toy engine
 //! (`test_support::fake_runner`); its peers are stub decodes speaking the real protocol.
 
 use std::sync::Arc;
