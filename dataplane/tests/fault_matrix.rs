@@ -556,6 +556,8 @@ fn slow_loris(pd: &mut Pd) -> Row {
         counter,
         before,
     );
+    row.note
+        .push_str("seen when the header timeout (2 s) cuts them; ");
     row.leaked = leaked(&[&pd.decode, &pd.prefill]);
     row
 }
@@ -634,6 +636,9 @@ fn kv_memory_exhausted() -> Row {
         &["generation failed", "queue_timeout"],
         counter,
         before,
+    );
+    row.note.push_str(
+        "seen when the queue timeout (1 s) ends the first wait; tandem_requests_waiting shows the queue at once; ",
     );
     row.leaked = leaked(&[&pd.decode, &pd.prefill]);
     row
