@@ -81,8 +81,9 @@ pub fn start(
     metrics: Arc<Metrics>,
 ) -> crate::Result<DecodeClient> {
     if addrs.is_empty() {
-        return Err(crate::Error::Model(
-            "role decode needs at least one --prefill address".into(),
+        return Err(crate::Error::config(
+            "--prefill",
+            "role decode needs at least one --prefill address",
         ));
     }
     // Upper bound of one token's KV bytes (4-byte values at most), to refuse oversized KV.
@@ -91,9 +92,9 @@ pub fn start(
     let pool = crate::kv::chunks::BufferPool::default();
     let mut peers = Vec::new();
     for (i, addr) in addrs.iter().enumerate() {
-        let io = |e: zmq::Error| crate::Error::Io {
-            path: format!("KV socket to {addr}"),
-            source: std::io::Error::other(e),
+        let io = |source| crate::Error::Transport {
+            endpoint: format!("tcp://{addr}"),
+            source,
         };
         let sock = ctx.socket(zmq::DEALER).map_err(io)?;
         wire::configure(&sock).map_err(io)?;
@@ -134,9 +135,11 @@ pub fn start(
             last_ping: None,
             pool: pool.clone(),
         };
-        supervise(body, health.clone(), metrics.clone()).map_err(|e| crate::Error::Io {
-            path: "KV loop thread".into(),
-            source: e,
+        supervise(body, health.clone(), metrics.clone()).map_err(|source| {
+            crate::Error::Thread {
+                name: "KV loop".into(),
+                source,
+            }
         })?;
         peers.push(Peer {
             addr: addr.clone(),

@@ -73,9 +73,9 @@ pub fn start(
     engine: EngineHandle,
     metrics: Arc<Metrics>,
 ) -> crate::Result<PrefillHandle> {
-    let io = |e: zmq::Error| crate::Error::Io {
-        path: format!("KV socket tcp://{host}:{port}"),
-        source: std::io::Error::other(e),
+    let io = |source| crate::Error::Transport {
+        endpoint: format!("tcp://{host}:{port}"),
+        source,
     };
     let ctx = zmq::Context::new();
     let sock = ctx.socket(zmq::ROUTER).map_err(io)?;
@@ -104,9 +104,9 @@ pub fn start(
             65_536,
         ),
     };
-    supervise(body, health.clone(), metrics).map_err(|e| crate::Error::Io {
-        path: "KV loop thread".into(),
-        source: e,
+    supervise(body, health.clone(), metrics).map_err(|source| crate::Error::Thread {
+        name: "KV loop".into(),
+        source,
     })?;
     Ok(PrefillHandle {
         bound,
