@@ -99,7 +99,8 @@ pub struct DeviceRope {
 }
 
 /// Paged K and V pools of every layer: `k` is `[layer][pool]`, likewise `v`; a pool is
-/// `n_blocks · block_tokens` rows of `row_bytes` (the CPU `PagedKvCache` layout).
+/// `n_blocks · block_tokens` rows of `row_bytes` (the layout of the CPU backend's
+/// `HostKv`).
 #[derive(Debug)]
 pub struct DeviceKv {
     pub ty: GgmlType,
