@@ -30,12 +30,14 @@ unit:
 NVRTC_LIB = $$(ls -d $(CURDIR)/$(PY_VENV)/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib 2>/dev/null | head -1)
 
 ## cuda-check: the CUDA backend without a GPU — every .cu compiles with NVRTC for sm_80 and
-## sm_90 with every kernel name present, host-side logic tests, clippy with the feature
+## sm_90 with every kernel name present, host-side logic tests, clippy with the GPU tests
+## compiled in (the generic forward pass instantiated for CudaBackend included)
 cuda-check: pyenv
 	LD_LIBRARY_PATH="$(NVRTC_LIB)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" \
 	  cargo test -p tandem-kernels --features cuda
-	cargo clippy -p tandem-kernels --features gpu-tests --all-targets -- -D warnings
-	cargo test -p tandem-dataplane --features cuda --lib model::cuda_runner
+	cargo clippy -p tandem-kernels -p tandem-dataplane --features tandem-dataplane/gpu-tests \
+	  --all-targets -- -D warnings
+	cargo test -p tandem-dataplane --features cuda --lib model::cuda
 
 ## gpu-test: on a machine with an NVIDIA GPU: every kernel vs the CPU reference, greedy
 ## SmolLM2 GPU == CPU, throughput

@@ -1,7 +1,7 @@
 //! Engine throughput on the real model.
 //!
 //! cargo run --release -p tandem-dataplane --example bench_engine -- \
-//!     [--kv f16|q8_0|f32] [--reps N] [--only C] [--via-step] [MODEL.gguf]
+//!     [--kv f16|q8_0|f32] [--reps N] [--only C] [--via-step] [--threads N] [MODEL.gguf]
 //!
 //! Prints prompt tok/s for a 512-token prompt, then decode tok/s (greedy, through
 //! `step_sample` as the scheduler calls it) at concurrency 1, 8 and 32, for short
@@ -13,15 +13,17 @@
 //! levels are measured interleaved (1, 8, 32, 1, 8, 32, ...) `--reps` times (default 3)
 //! and each figure is the median; the C=32 / C=1 ratios compare medians of interleaved
 //! runs. `--only C` measures one level (for profiling); `--via-step` decodes through
-//! `step` + host sampling of copied logits instead (the path before `step_sample`).
+//! `step` + host sampling of copied logits instead (the path before `step_sample`);
+//! `--threads N` sizes the kernel pool (the dataplane's `--threads`; default one per core).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use tandem_dataplane::engine_api::{ModelRunner, SeqId, StepInput};
 use tandem_dataplane::model::{CpuModelRunner, RunnerConfig};
 use tandem_dataplane::sampling::{Sampler, SamplingParams};
-use tandem_kernels::GgmlType;
+use tandem_kernels::{CpuKernels, CpuOptions, GgmlType};
 
 const DECODE_STEPS: usize = 64;
 /// Prompt length of the short-context runs.
@@ -135,6 +137,7 @@ fn main() {
     let mut only: Option<usize> = None;
     let mut reps = 3usize;
     let mut via_step = false;
+    let mut threads = None;
     let mut model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let mut args = std::env::args().skip(1);
@@ -149,18 +152,25 @@ fn main() {
             }
             "--only" => only = args.next().and_then(|c| c.parse().ok()),
             "--via-step" => via_step = true,
+            "--threads" => threads = args.next().and_then(|c| c.parse().ok()),
             "--reps" => reps = args.next().and_then(|c| c.parse().ok()).unwrap_or(3).max(1),
             other => model = PathBuf::from(other),
         }
     }
     // Room for 32 sequences of 512 tokens plus the setup sequences.
     let rc = RunnerConfig::with_kv_tokens(34 * CONTEXT, kv);
-    let mut r = CpuModelRunner::load(&model, rc).expect("load model (run `make model`)");
+    let kernels = CpuKernels::with_options(CpuOptions {
+        threads,
+        simd: true,
+    });
+    let n_threads = kernels.threads();
+    let mut r = CpuModelRunner::load_with(&model, rc, Arc::new(kernels))
+        .expect("load model (run `make model`)");
     println!(
         "model {} | kernels {} | threads {} | KV {kv} | {reps} interleaved reps, medians{}",
         model.display(),
         r.kernels_name(),
-        tandem_kernels::CpuKernels::new().threads(),
+        n_threads,
         if via_step {
             " | via step + copied logits"
         } else {

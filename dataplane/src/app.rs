@@ -5,8 +5,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::chat::ChatTemplate;
-use crate::config::{Config, Role};
+use crate::config::{Config, Device, Role};
 use crate::engine_api::ModelRunner;
+use crate::error::Context;
 use crate::gguf::Gguf;
 use crate::kv::auth::GroupKey;
 use crate::metrics::Metrics;
@@ -21,38 +22,47 @@ pub struct App {
     pub engine_thread: JoinHandle<()>,
 }
 
-/// The model runner for `--device`: the CPU backend, or the CUDA one in a `cuda` build
-/// (which probes the driver first and fails with a clear error when there is none).
+/// The model runner for `--device`: the CPU backend (with `--threads`, `--no-simd`), or
+/// the CUDA one in a `cuda` build (which probes the driver first and fails with a clear
+/// error when there is none).
 fn load_runner(cfg: &Config, gguf: Arc<Gguf>, rc: RunnerConfig) -> Result<Box<dyn ModelRunner>> {
-    match cfg.device.as_str() {
-        "cpu" => Ok(Box::new(CpuModelRunner::new(
+    match cfg.device {
+        Device::Cpu => {
+            let kernels = Arc::new(tandem_kernels::CpuKernels::with_options(cfg.cpu_options()));
+            Ok(Box::new(CpuModelRunner::new(gguf, rc, kernels)?))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(n) => Ok(Box::new(crate::model::cuda::CudaModelRunner::new(
             gguf,
             rc,
-            tandem_kernels::best_backend(),
+            n,
+            cfg.cuda_options(),
         )?)),
-        #[cfg(feature = "cuda")]
-        other => crate::model::cuda_runner::load_runner(other, &cfg.model, rc),
         #[cfg(not(feature = "cuda"))]
-        other => Err(Error::Model(format!(
-            "--device {other}: this binary was built without CUDA support \
-             (build with `--features cuda`); use --device cpu"
-        ))),
+        Device::Cuda(_) => Err(Error::config(
+            format!("--device {}", cfg.device),
+            "this binary was built without CUDA support (build with `--features cuda`); \
+             use --device cpu",
+        )),
     }
 }
 
 pub fn build(cfg: &Config) -> Result<App> {
     if cfg.role != Role::Both && cfg.group_key.is_empty() {
-        return Err(Error::Model(format!(
-            "role '{}' needs a group key (--group-key or TANDEM_GROUP_KEY) to authenticate its KV peers",
-            cfg.role.as_str()
-        )));
+        return Err(Error::config(
+            "--group-key",
+            format!(
+                "role '{}' needs a group key (--group-key or TANDEM_GROUP_KEY) to authenticate its KV peers",
+                cfg.role.as_str()
+            ),
+        ));
     }
     if cfg.fault_injection && std::env::var("TANDEM_ALLOW_FAULT_INJECTION").as_deref() != Ok("yes")
     {
-        return Err(Error::Model(
-            "--fault-injection is for tests only: it is refused unless the environment also \
-             sets TANDEM_ALLOW_FAULT_INJECTION=yes"
-                .into(),
+        return Err(Error::config(
+            "--fault-injection",
+            "for tests only: it is refused unless the environment also sets \
+             TANDEM_ALLOW_FAULT_INJECTION=yes",
         ));
     }
     let gguf = Arc::new(Gguf::open(&cfg.model)?);
@@ -73,11 +83,12 @@ pub fn build(cfg: &Config) -> Result<App> {
         },
     };
     let kv_dtype = rc.kv.dtype.id();
-    let runner = load_runner(cfg, gguf, rc)?;
+    let runner = load_runner(cfg, gguf, rc)
+        .with_context(|| format!("loading the model onto {}", cfg.device))?;
     let info = runner.info().clone();
     if info.vocab_size != tok.vocab_size() {
-        return Err(Error::Model(format!(
-            "tokenizer has {} tokens but the model's vocabulary is {}",
+        return Err(Error::Tokenizer(format!(
+            "the tokenizer has {} tokens but the model's vocabulary is {}",
             tok.vocab_size(),
             info.vocab_size
         )));
@@ -85,12 +96,12 @@ pub fn build(cfg: &Config) -> Result<App> {
     let metrics = Arc::new(Metrics::new());
     let text: Arc<dyn TokenText> = tok.clone();
     let (engine, engine_thread) =
-        crate::scheduler::spawn(runner, text, cfg.scheduler(), metrics.clone()).map_err(|e| {
-            Error::Io {
-                path: "engine thread".into(),
-                source: e,
-            }
-        })?;
+        crate::scheduler::spawn(runner, text, cfg.scheduler(), metrics.clone()).map_err(
+            |source| Error::Thread {
+                name: "engine".into(),
+                source,
+            },
+        )?;
     tracing::info!(
         model = %cfg.model.display(),
         served_as = %cfg.served_name(),
@@ -98,6 +109,7 @@ pub fn build(cfg: &Config) -> Result<App> {
         kv_blocks = cfg.kv_blocks,
         kv_block_tokens = info.kv_block_size,
         kv_dtype = ?cfg.kv_dtype,
+        device = %cfg.device,
         has_chat_template = chat.is_some(),
         "model loaded"
     );

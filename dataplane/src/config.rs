@@ -1,11 +1,49 @@
-//! Command-line and environment configuration of the dataplane binary.
+//! Command-line and environment configuration of the dataplane binary: every setting is
+//! a flag with an environment variable (`TANDEM_<NAME>`), parsed and checked here, and
+//! passed down as plain values; nothing below reads the environment.
 
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::{ArgAction, Parser, ValueEnum};
+use tandem_kernels::CpuOptions;
 
 use crate::scheduler::SchedulerConfig;
+
+/// The compute device of the model runner (`--device`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    /// CUDA device by ordinal (a build with feature `cuda`).
+    Cuda(usize),
+}
+
+impl FromStr for Device {
+    type Err = String;
+
+    /// `cpu`, `cuda` (device 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| format!("bad device {other:?}: use cpu, cuda or cuda:N")),
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Role {
@@ -71,7 +109,20 @@ pub struct Config {
     pub served_model_name: Option<String>,
     /// Compute device: `cpu`, or `cuda` / `cuda:N` in a build with feature `cuda`.
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
-    pub device: String,
+    pub device: Device,
+    /// CPU: threads of the kernel pool, the engine thread included (default: one per core).
+    #[arg(long, env = "TANDEM_THREADS", value_parser = at_least_one)]
+    pub threads: Option<usize>,
+    /// CPU: portable kernels only, no SIMD (to compare or debug; `TANDEM_NO_SIMD=1`).
+    #[arg(long, env = "TANDEM_NO_SIMD", value_parser = clap::builder::FalseyValueParser::new())]
+    pub no_simd: bool,
+    /// CUDA: sample on the device and copy only token ids back (`on`), or copy logits
+    /// rows back and sample on the host (`off`).
+    #[arg(long, env = "TANDEM_CUDA_SAMPLING", default_value = "on", value_parser = on_off, action = ArgAction::Set)]
+    pub cuda_sampling: bool,
+    /// CUDA: replay decode steps as CUDA graphs (`off` until checked on a GPU).
+    #[arg(long, env = "TANDEM_CUDA_GRAPHS", default_value = "off", value_parser = on_off, action = ArgAction::Set)]
+    pub cuda_graphs: bool,
     #[arg(long, env = "TANDEM_HOST", default_value = "0.0.0.0")]
     pub host: String,
     #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
@@ -186,6 +237,21 @@ impl Config {
         }
     }
 
+    pub fn cpu_options(&self) -> CpuOptions {
+        CpuOptions {
+            threads: self.threads,
+            simd: !self.no_simd,
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    pub fn cuda_options(&self) -> crate::model::cuda::CudaOptions {
+        crate::model::cuda::CudaOptions {
+            device_sampling: self.cuda_sampling,
+            graphs: self.cuda_graphs,
+        }
+    }
+
     pub fn served_name(&self) -> String {
         self.served_model_name.clone().unwrap_or_else(|| {
             let f = self
@@ -263,6 +329,17 @@ fn non_negative_seconds(s: &str) -> Result<f64, String> {
         return Err(format!("{s:?}: must not be negative"));
     }
     Ok(v)
+}
+
+/// An on/off switch: 1/on/true/yes or 0/off/false/no.
+fn on_off(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "1" | "on" | "true" | "yes" => Ok(true),
+        "0" | "off" | "false" | "no" => Ok(false),
+        _ => Err(format!(
+            "{s:?}: expected on or off (1/on/true/yes, 0/off/false/no)"
+        )),
+    }
 }
 
 /// A count that must be at least 1 (batch sizes, queue lengths, cache blocks).
@@ -377,6 +454,68 @@ mod tests {
         .unwrap();
         assert_eq!(c.drain(), Duration::ZERO);
         assert_eq!(c.pd_timings().probe_period, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn device_is_parsed_in_one_place() {
+        let dev = |v: &str| Config::try_parse_from(["x", "--model", "m.gguf", "--device", v]);
+        assert_eq!(dev("cpu").unwrap().device, Device::Cpu);
+        assert_eq!(dev("cuda").unwrap().device, Device::Cuda(0));
+        assert_eq!(dev("cuda:3").unwrap().device, Device::Cuda(3));
+        assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
+        for bad in ["gpu", "cuda:x", "cuda:", "tpu"] {
+            let err = dev(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("--device") && err.contains("use cpu, cuda or cuda:N"),
+                "{bad}: {err}"
+            );
+        }
+        let c = Config::try_parse_from(["x", "--model", "m.gguf"]).unwrap();
+        assert_eq!(c.device, Device::Cpu, "the default");
+    }
+
+    #[test]
+    fn backend_knobs_are_flags_passed_down() {
+        let c = Config::try_parse_from(["x", "--model", "m.gguf"]).unwrap();
+        assert_eq!(c.cpu_options(), CpuOptions::default());
+        assert!(
+            c.cuda_sampling && !c.cuda_graphs,
+            "graphs off until checked on a GPU"
+        );
+        let c = Config::try_parse_from([
+            "x",
+            "--model",
+            "m.gguf",
+            "--threads",
+            "3",
+            "--no-simd",
+            "--cuda-sampling",
+            "off",
+            "--cuda-graphs",
+            "on",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.cpu_options(),
+            CpuOptions {
+                threads: Some(3),
+                simd: false
+            }
+        );
+        assert!(!c.cuda_sampling && c.cuda_graphs);
+        for (flag, value) in [
+            ("--threads", "0"),
+            ("--threads", "many"),
+            ("--cuda-graphs", "maybe"),
+            ("--cuda-sampling", "2"),
+        ] {
+            let err = Config::try_parse_from(["x", "--model", "m.gguf", flag, value])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(flag) && err.contains(value), "{err}");
+        }
+        assert_eq!(on_off(" Yes "), Ok(true));
+        assert_eq!(on_off("0"), Ok(false));
     }
 
     #[test]

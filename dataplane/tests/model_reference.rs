@@ -10,16 +10,21 @@
 //! - production: Q8 activations in both. Measured: max 1.5, rms 0.22 — the size of the
 //!   activation-rounding noise itself (the reference moves as much between f32 and Q8
 //!   activations), see `smollm2_production_path_matches_numpy_q8`.
+//!
+//! The runners are thin wrappers over one forward pass generic over the kernels' `Backend`
+//! trait; `generic_forward_on_the_cpu_backend_matches_numpy_f32` drives that pass directly
+//! (`LoadedModel<CpuBackend>`, the type the CUDA runner instantiates with `CudaBackend`).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tandem_dataplane::engine_api::{ModelRunner, SeqId, StepInput};
 use tandem_dataplane::gguf::Gguf;
 use tandem_dataplane::model::synthetic::TinyLlama;
-use tandem_dataplane::model::{CpuModelRunner, RunnerConfig};
-use tandem_kernels::{CpuKernels, GgmlType, Kernels};
+use tandem_dataplane::model::{CpuModelRunner, LoadedModel, RunnerConfig};
+use tandem_kernels::{CpuBackend, CpuKernels, GgmlType, Kernels};
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -60,8 +65,33 @@ fn kv_name(t: GgmlType) -> &'static str {
     }
 }
 
-/// Greedy tokens and per-step logits from the numpy reference.
+/// Greedy tokens and per-step logits of the numpy reference.
+type Reference = Arc<(Vec<Vec<u32>>, Vec<f32>)>;
+
+/// [`run_reference`], once per set of arguments in this test process (tests that compare
+/// several engine paths with one reference share its run).
 fn reference(
+    model: &Path,
+    prompts: &[Vec<u32>],
+    n_gen: usize,
+    kv: GgmlType,
+    act: &str,
+) -> Reference {
+    static RUNS: Mutex<Option<HashMap<String, Arc<OnceLock<Reference>>>>> = Mutex::new(None);
+    let key = format!("{}|{prompts:?}|{n_gen}|{kv}|{act}", model.display());
+    let cell = RUNS
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .entry(key)
+        .or_default()
+        .clone();
+    cell.get_or_init(|| Arc::new(run_reference(model, prompts, n_gen, kv, act)))
+        .clone()
+}
+
+/// Greedy tokens and per-step logits from the numpy reference.
+fn run_reference(
     model: &Path,
     prompts: &[Vec<u32>],
     n_gen: usize,
@@ -163,9 +193,26 @@ fn compare(
     act: &str,
     tol: Tol,
 ) {
-    let kv = r.kv_config().dtype;
-    let (ref_toks, ref_logits) = reference(model, prompts, n_gen, kv, act);
-    let vocab = r.info().vocab_size;
+    let (kv, vocab) = (r.kv_config().dtype, r.info().vocab_size);
+    let step = |b: &[StepInput]| r.step(b).unwrap();
+    compare_steps(what, step, kv, vocab, model, prompts, n_gen, act, tol);
+}
+
+/// [`compare`] for anything that runs a step and returns its logits.
+#[allow(clippy::too_many_arguments)]
+fn compare_steps(
+    what: &str,
+    mut step: impl FnMut(&[StepInput]) -> Vec<Option<Vec<f32>>>,
+    kv: GgmlType,
+    vocab: usize,
+    model: &Path,
+    prompts: &[Vec<u32>],
+    n_gen: usize,
+    act: &str,
+    tol: Tol,
+) {
+    let reference = reference(model, prompts, n_gen, kv, act);
+    let (ref_toks, ref_logits) = (&reference.0, &reference.1);
     assert_eq!(
         ref_logits.len(),
         prompts.len() * n_gen * vocab,
@@ -190,13 +237,11 @@ fn compare(
         }
     };
     for (i, p) in prompts.iter().enumerate() {
-        let l = r
-            .step(&[StepInput {
-                seq: SeqId(i as u64),
-                tokens: p.clone(),
-                want_logits: true,
-            }])
-            .unwrap();
+        let l = step(&[StepInput {
+            seq: SeqId(i as u64),
+            tokens: p.clone(),
+            want_logits: true,
+        }]);
         check(i, 0, l[0].as_ref().unwrap());
     }
     for s in 1..n_gen {
@@ -207,7 +252,7 @@ fn compare(
                 want_logits: true,
             })
             .collect();
-        for (i, l) in r.step(&batch).unwrap().into_iter().enumerate() {
+        for (i, l) in step(&batch).into_iter().enumerate() {
             check(i, s, l.as_ref().unwrap());
         }
     }
@@ -259,6 +304,35 @@ fn smollm2_exact_activations_match_numpy_f32() {
     compare(
         "SmolLM2 Q4_1, exact activations",
         &mut r,
+        &path,
+        &prompts(),
+        32,
+        "f32",
+        tol,
+    );
+}
+
+/// The forward pass generic over `tandem_kernels::Backend`, instantiated for the CPU
+/// backend and driven directly through `LoadedModel` (validation, block accounting, step
+/// description, forward, logits fetched with `Backend::to_host`), with f32 activations
+/// against the exact f32 reference: the same bounds as the runner above.
+#[test]
+fn generic_forward_on_the_cpu_backend_matches_numpy_f32() {
+    let path = model_path();
+    let backend = CpuBackend::new(Arc::new(CpuKernels::new().exact_activations()));
+    let rc = RunnerConfig::with_kv_tokens(1024, GgmlType::F16);
+    let mut m: LoadedModel<CpuBackend> = LoadedModel::open(&path, rc, backend).unwrap();
+    let vocab = m.info().vocab_size;
+    let tol = Tol {
+        max_abs: 0.05,
+        rms: 5e-3,
+        tie_margin: 0.05,
+    };
+    compare_steps(
+        "SmolLM2 Q4_1, generic forward on CpuBackend, exact activations",
+        |b| m.step_logits(b).unwrap(),
+        GgmlType::F16,
+        vocab,
         &path,
         &prompts(),
         32,

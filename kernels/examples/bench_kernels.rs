@@ -1,6 +1,6 @@
 //! Kernel microbenchmark on SmolLM2-135M's shapes with synthetic weights.
 //!
-//! TANDEM_THREADS=1 cargo run --release -p tandem-kernels --example bench_kernels
+//! cargo run --release -p tandem-kernels --example bench_kernels -- [--threads N]
 //!
 //! Each figure is the minimum wall time over repetitions (default 20, `REPS=n`): with one
 //! thread that filters out most preemption on a shared machine.
@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use tandem_kernels::{
-    AttnQuery, AttnShape, CpuKernels, GgmlType, Kernels, KvView, Matrix, quantize_row,
+    AttnQuery, AttnShape, CpuKernels, CpuOptions, GgmlType, Kernels, KvView, Matrix, quantize_row,
 };
 
 /// Minimum wall time over `reps` runs of `f`, in ms.
@@ -47,7 +47,19 @@ fn encode(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
 }
 
 fn main() {
-    let k = CpuKernels::new();
+    // `--threads N`: the kernel pool's size (default: one thread per core).
+    let mut args = std::env::args().skip(1);
+    let mut threads = None;
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--threads" => threads = args.next().and_then(|n| n.parse().ok()),
+            other => panic!("unknown argument {other:?} (usage: [--threads N])"),
+        }
+    }
+    let k = CpuKernels::with_options(CpuOptions {
+        threads,
+        simd: true,
+    });
     println!("{k:?}");
     let mut rng = Rng(1);
     let reps = std::env::var("REPS")

@@ -178,6 +178,12 @@ pub(crate) fn check_matmul(
 pub trait Kernels: Send + Sync {
     fn name(&self) -> &'static str;
 
+    /// The pool this backend spreads its work over, for callers that parallelize work
+    /// around the kernels (KV stores, sampling) on the same threads; `None`: it has none.
+    fn thread_pool(&self) -> Option<&'static crate::cpu::ThreadPool> {
+        None
+    }
+
     /// For each `ws[i]`: `outs[i][t·rows + r] = Σ_c W[r][c] · x[t·cols + c]` for all `n_tok`
     /// tokens. All matrices share `cols` (and therefore one quantization of `x`); each
     /// weight row is read once for the whole batch. Quantized weights multiply `x`

@@ -1,15 +1,24 @@
 //! Compute kernels for Tandem's model engine.
 //!
-//! One backend-neutral interface, [`Kernels`], with two implementations today:
-//! - [`ScalarKernels`]: plain loops, written for clarity; the test oracle.
-//! - [`CpuKernels`]: AVX2/FMA integer dot products chosen at run time (scalar fallback),
-//!   spread over all cores by a persistent thread pool.
+//! Two levels:
+//! - [`Backend`]: what a forward pass runs on. Its buffers, weights, KV pools and step
+//!   inputs are the backend's own types (host vectors and mapped file bytes for
+//!   [`CpuBackend`], device allocations for `cuda::CudaBackend`), so the model's one
+//!   forward pass is generic over it and never moves activations between host and device.
+//! - [`Kernels`]: the same operations on host slices, with two CPU implementations that
+//!   [`CpuBackend`] runs on:
+//!   - [`ScalarKernels`]: plain loops, written for clarity; the test oracle.
+//!   - [`CpuKernels`]: AVX2/FMA integer dot products chosen at run time (scalar fallback),
+//!     spread over all cores by a persistent thread pool.
 //!
-//! A CUDA backend (feature `cuda`) implements the same trait. Weights are described by
-//! [`Matrix`] (type, shape, bytes as stored in GGUF), never by a backend-specific type,
-//! so the model code above does not care which backend runs it.
+//!   The CUDA kernels implement it too (`cuda::CudaKernels`, copying slices in and out per
+//!   call) so that tests hold every GPU kernel against [`ScalarKernels`].
+//!
+//! Weights come from GGUF as [`HostMatrix`] / [`Matrix`] (type, shape, bytes as stored);
+//! a backend keeps them as they are (CPU) or uploads them once (CUDA).
 
 mod api;
+mod backend;
 pub mod checksum;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -21,7 +30,8 @@ mod rope;
 mod types;
 
 pub use api::{AttnQuery, AttnShape, Kernels, KvView, Matrix};
-pub use cpu::CpuKernels;
+pub use backend::{Backend, HostMatrix, PagedKvSpec, SharedBytes, StepDesc, StepSeq};
+pub use cpu::{CpuBackend, CpuKernels, CpuOptions, HostKv};
 pub use error::{Error, Result};
 pub use quant::{BlockQ8, dequantize_row, quantize_act_row, quantize_row};
 pub use reference::ScalarKernels;

@@ -5,13 +5,13 @@
 # toolkit's libnvrtc on LD_LIBRARY_PATH, and the model (`make model`). Finishes in a few
 # minutes (budget: under 8 on an H200): a release build, every kernel against the scalar
 # reference (plus the sampling kernel's exact cases, negative KV slots, graph capture and
-# replay), the device sampler against the host sampler on fixed logits and uniforms,
+# replay), every Backend operation of CudaBackend (what the one generic forward pass
+# calls) against CpuBackend on the scalar kernels, the device sampler against the host sampler on fixed logits and uniforms,
 # seeded device sampling == host sampling of the same logits, greedy SmolLM2 on GPU == CPU
 # for 5 prompts x 32 tokens (via step, step_greedy and step_sample, with and without CUDA
 # graphs), graph vs plain decode for batch sizes 1..64, KV export/import across CPU and
 # GPU, and throughput (prompt tok/s; decode tok/s at concurrency 1, 32 and 64 with CUDA
-# graphs off and on). The tests switch graphs on and off themselves (CudaOptions), so
-# TANDEM_CUDA_GRAPHS / TANDEM_CUDA_SAMPLING are unset here.
+# graphs off and on). The tests switch graphs on and off themselves (CudaOptions).
 # The GPU tests exist only with feature gpu-tests (CI compiles them); here they run and
 # FAIL without a device.
 set -euo pipefail
@@ -45,9 +45,12 @@ echo "== kernels vs scalar reference (GPU)"
 cargo test --release -p tandem-kernels --features gpu-tests --test cuda_kernels -- \
   --test-threads=1
 
+echo "== Backend operations: CudaBackend vs CpuBackend (scalar reference)"
+cargo test --release -p tandem-kernels --features gpu-tests --test backend_equivalence -- \
+  --test-threads=1
+
 echo "== model on GPU: greedy vs CPU, device sampling, graphs vs plain, KV transfer, throughput"
-unset TANDEM_CUDA_GRAPHS TANDEM_CUDA_SAMPLING
-cargo test --release -p tandem-dataplane --features gpu-tests --lib model::cuda_runner -- \
+cargo test --release -p tandem-dataplane --features gpu-tests --lib model::cuda -- \
   --test-threads=1 --nocapture
 
 echo "== all GPU checks passed in $((SECONDS - start)) s"

@@ -113,6 +113,14 @@ impl std::fmt::Debug for Gguf {
     }
 }
 
+/// The whole file, so that weights can hold views into the mapping
+/// (`tandem_kernels::HostMatrix`).
+impl AsRef<[u8]> for Gguf {
+    fn as_ref(&self) -> &[u8] {
+        self.bytes()
+    }
+}
+
 impl Gguf {
     /// Map and parse a file. Model files are treated as immutable while mapped.
     pub fn open(path: &Path) -> crate::Result<Self> {

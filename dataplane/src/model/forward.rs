@@ -1,144 +1,246 @@
-//! One batched forward step. All tokens of all sequences in the batch form one matrix, so
-//! each weight matrix is read once per step whatever the batch size.
+//! The forward pass: the only one, for every backend. All tokens of all sequences in a
+//! step form one matrix, so each weight matrix is read once per step whatever the batch
+//! size; every operation is a [`Backend`] kernel over the backend's own buffers, so on a
+//! GPU the whole pass stays on the device (and can be captured into a CUDA graph: it only
+//! enqueues kernels, it never allocates, copies or waits).
 
-use tandem_kernels::cpu::ThreadPool;
-use tandem_kernels::{AttnQuery, AttnShape, Kernels, RopeTable};
+use tandem_kernels::{AttnShape, Backend, RopeTable};
 
 use super::config::LlamaConfig;
-use super::kv_cache::PagedKvCache;
 use super::weights::Weights;
-use crate::engine_api::SeqId;
-use crate::error::Result;
+use crate::error::{Context, Result};
 
-/// Where each token of the flattened batch goes.
-pub(crate) struct TokenSlot {
-    pub seq: SeqId,
-    pub pos: usize,
-    pub token: u32,
+/// One layer's weights on a backend.
+pub struct LayerOn<B: Backend> {
+    pub attn_norm: B::Buf,
+    pub wq: B::Weight,
+    pub wk: B::Weight,
+    pub wv: B::Weight,
+    pub wo: B::Weight,
+    pub ffn_norm: B::Buf,
+    pub w_gate: B::Weight,
+    pub w_up: B::Weight,
+    pub w_down: B::Weight,
 }
 
-/// Activation buffers, kept between steps so that steady-state decoding does not allocate.
-#[derive(Default)]
-pub(crate) struct Buffers {
-    x: Vec<f32>,
-    h: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    att: Vec<f32>,
-    o: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    /// Output logits: every element is written by the matmul, so it is only resized
-    /// (never cleared) between steps.
-    logits: Vec<f32>,
+/// The model on a backend: its hyperparameters and every weight in the backend's form
+/// (the mapped file's bytes for the CPU, device copies for CUDA).
+pub struct ModelWeights<B: Backend> {
+    pub cfg: LlamaConfig,
+    pub token_embd: B::Weight,
+    /// `None` when the output projection is the token embedding (tied), so that it is
+    /// not held twice.
+    pub output: Option<B::Weight>,
+    pub output_norm: B::Buf,
+    pub layers: Vec<LayerOn<B>>,
+    pub rope: B::Rope,
 }
 
-fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
-    v.resize(n, 0.0);
-    &mut v[..n]
-}
-
-pub(crate) struct Forward<'a> {
-    pub cfg: &'a LlamaConfig,
-    pub w: &'a Weights,
-    pub rope: &'a RopeTable,
-    pub k: &'a dyn Kernels,
-}
-
-impl Forward<'_> {
-    /// Run `slots` through the model, writing their K/V into `kv` (capacity already
-    /// reserved), and return the final hidden state (after the output norm) of the tokens
-    /// listed in `want` (indices into `slots`), as rows of `dim`.
-    pub fn run(
-        &self,
-        slots: &[TokenSlot],
-        kv: &mut PagedKvCache,
-        want: &[usize],
-        b: &mut Buffers,
-    ) -> Result<Vec<f32>> {
-        let (c, k, file) = (self.cfg, self.k, self.w.file());
-        let n = slots.len();
-        let (dim, qd, kvd, ffn) = (c.dim, c.q_dim(), c.kv_dim(), c.ffn_dim);
-        let positions: Vec<usize> = slots.iter().map(|s| s.pos).collect();
-        let seq_pos: Vec<(SeqId, usize)> = slots.iter().map(|s| (s.seq, s.pos)).collect();
-        let shape = AttnShape {
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim,
+impl<B: Backend> ModelWeights<B> {
+    pub fn load(b: &B, w: &Weights, cfg: &LlamaConfig, rope: &RopeTable) -> Result<Self> {
+        let bytes = w.bytes();
+        let load = |name: &str, r: &super::weights::WeightRef| {
+            r.host(&bytes)
+                .and_then(|m| b.load_weight(&m))
+                .with_context(|| format!("loading {name} onto the {} backend", b.name()))
         };
-
-        let x = sized(&mut b.x, n * dim);
-        let embd = self.w.token_embd.matrix(file);
-        for (row, s) in x.chunks_exact_mut(dim).zip(slots) {
-            tandem_kernels::dequantize_row(embd.ty, embd.row(s.token as usize), row)?;
-        }
-
-        for (l, lw) in self.w.layers.iter().enumerate() {
-            let h = sized(&mut b.h, n * dim);
-            k.rmsnorm(&b.x, &lw.attn_norm, c.rms_eps, h)?;
-            let (q, kk, vv) = (
-                sized(&mut b.q, n * qd),
-                sized(&mut b.k, n * kvd),
-                sized(&mut b.v, n * kvd),
-            );
-            k.matmul(
-                &[lw.wq.matrix(file), lw.wk.matrix(file), lw.wv.matrix(file)],
-                h,
-                n,
-                &mut [q, kk, vv],
-            )?;
-            k.rope(&mut b.q, c.n_heads, c.head_dim, &positions, self.rope)?;
-            k.rope(&mut b.k, c.n_kv_heads, c.head_dim, &positions, self.rope)?;
-            kv.write_batch(l, &seq_pos, &b.k, &b.v, ThreadPool::global())?;
-            let queries: Vec<AttnQuery<'_>> = slots
-                .iter()
-                .map(|s| AttnQuery {
-                    block_table: kv.block_table(s.seq),
-                    n_ctx: s.pos + 1,
+        let vector = |name: &str, v: &[f32]| {
+            b.upload(v)
+                .with_context(|| format!("loading {name} onto the {} backend", b.name()))
+        };
+        let token_embd = load("token_embd.weight", &w.token_embd)?;
+        let output = if w.output.same_place(&w.token_embd) {
+            None
+        } else {
+            Some(load("output.weight", &w.output)?)
+        };
+        let layers = w
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let n = |s: &str| format!("blk.{i}.{s}.weight");
+                Ok(LayerOn {
+                    attn_norm: vector(&n("attn_norm"), &l.attn_norm)?,
+                    wq: load(&n("attn_q"), &l.wq)?,
+                    wk: load(&n("attn_k"), &l.wk)?,
+                    wv: load(&n("attn_v"), &l.wv)?,
+                    wo: load(&n("attn_output"), &l.wo)?,
+                    ffn_norm: vector(&n("ffn_norm"), &l.ffn_norm)?,
+                    w_gate: load(&n("ffn_gate"), &l.w_gate)?,
+                    w_up: load(&n("ffn_up"), &l.w_up)?,
+                    w_down: load(&n("ffn_down"), &l.w_down)?,
                 })
-                .collect();
-            let (kview, vview) = kv.views(l);
-            let att = sized(&mut b.att, n * qd);
-            k.attention(&shape, &b.q, &queries, &kview, &vview, att)?;
-            let o = sized(&mut b.o, n * dim);
-            k.matmul(&[lw.wo.matrix(file)], att, n, &mut [o])?;
-            b.x.iter_mut().zip(b.o.iter()).for_each(|(x, o)| *x += o);
-
-            let h = sized(&mut b.h, n * dim);
-            k.rmsnorm(&b.x, &lw.ffn_norm, c.rms_eps, h)?;
-            let (g, u) = (sized(&mut b.gate, n * ffn), sized(&mut b.up, n * ffn));
-            k.matmul(
-                &[lw.w_gate.matrix(file), lw.w_up.matrix(file)],
-                h,
-                n,
-                &mut [g, u],
-            )?;
-            k.silu_mul(&mut b.gate, &b.up)?;
-            let o = sized(&mut b.o, n * dim);
-            k.matmul(&[lw.w_down.matrix(file)], &b.gate, n, &mut [o])?;
-            b.x.iter_mut().zip(b.o.iter()).for_each(|(x, o)| *x += o);
-        }
-
-        let mut last = Vec::with_capacity(want.len() * dim);
-        for &i in want {
-            last.extend_from_slice(&b.x[i * dim..(i + 1) * dim]);
-        }
-        let mut normed = vec![0f32; last.len()];
-        k.rmsnorm(&last, &self.w.output_norm, c.rms_eps, &mut normed)?;
-        Ok(normed)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            token_embd,
+            output,
+            output_norm: vector("output_norm.weight", &w.output_norm)?,
+            layers,
+            rope: b.load_rope(rope).context("loading the rope table")?,
+        })
     }
 
-    /// Logits for rows of final hidden states.
-    pub fn logits<'b>(&self, hidden: &[f32], b: &'b mut Buffers) -> Result<&'b [f32]> {
-        let n = hidden.len() / self.cfg.dim;
-        let out = sized(&mut b.logits, n * self.cfg.vocab_size);
-        self.k.matmul(
-            &[self.w.output.matrix(self.w.file())],
-            hidden,
+    /// The output projection (the token embedding when tied).
+    pub fn output(&self) -> &B::Weight {
+        self.output.as_ref().unwrap_or(&self.token_embd)
+    }
+}
+
+/// Activation buffers sized for `cap` tokens and `want_cap` logits rows; grown (never
+/// shrunk) when a step is larger, so that steady-state steps allocate nothing. Logits are
+/// sized apart because a long prompt chunk needs one row, not one per token.
+pub struct Activations<B: Backend> {
+    cap: usize,
+    want_cap: usize,
+    x: B::Buf,
+    h: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    att: B::Buf,
+    o: B::Buf,
+    gate: B::Buf,
+    up: B::Buf,
+    last: B::Buf,
+    normed: B::Buf,
+    logits: B::Buf,
+    scratch: B::Scratch,
+}
+
+/// New (token, logits-row) capacities when a step of `n` tokens and `nw` logits rows does
+/// not fit `(cap, want_cap)`; they only grow, to powers of two.
+pub(crate) fn grown_caps(
+    cap: usize,
+    want_cap: usize,
+    n: usize,
+    nw: usize,
+) -> Option<(usize, usize)> {
+    (n > cap || nw > want_cap).then(|| {
+        (
+            n.max(cap).next_power_of_two(),
+            nw.max(want_cap).next_power_of_two(),
+        )
+    })
+}
+
+impl<B: Backend> Activations<B> {
+    pub fn new(b: &B, c: &LlamaConfig, cap: usize, want_cap: usize) -> Result<Self> {
+        let widest = c.dim.max(c.q_dim()).max(c.ffn_dim);
+        let buf = |n: usize| b.zeros(n).context("allocating activation buffers");
+        Ok(Self {
+            cap,
+            want_cap,
+            x: buf(cap * c.dim)?,
+            h: buf(cap * c.dim)?,
+            q: buf(cap * c.q_dim())?,
+            k: buf(cap * c.kv_dim())?,
+            v: buf(cap * c.kv_dim())?,
+            att: buf(cap * c.q_dim())?,
+            o: buf(cap * c.dim)?,
+            gate: buf(cap * c.ffn_dim)?,
+            up: buf(cap * c.ffn_dim)?,
+            last: buf(want_cap * c.dim)?,
+            normed: buf(want_cap * c.dim)?,
+            logits: buf(want_cap * c.vocab_size)?,
+            scratch: b
+                .scratch(cap * widest)
+                .context("allocating activation buffers")?,
+        })
+    }
+
+    /// Make room for `n` tokens and `nw` logits rows; `true` when the buffers were
+    /// reallocated (they moved: anything holding their addresses, such as a CUDA graph,
+    /// is stale).
+    pub fn ensure(&mut self, b: &B, c: &LlamaConfig, n: usize, nw: usize) -> Result<bool> {
+        match grown_caps(self.cap, self.want_cap, n, nw) {
+            Some((cap, want_cap)) => {
+                *self = Self::new(b, c, cap, want_cap)?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// (tokens, logits rows) the buffers hold.
+    pub fn caps(&self) -> (usize, usize) {
+        (self.cap, self.want_cap)
+    }
+
+    /// Logits of the last step's wanted tokens, rows of `vocab_size` in order.
+    pub fn logits(&self) -> &B::Buf {
+        &self.logits
+    }
+}
+
+/// Run `n` step tokens through the model, writing their K/V into `kv` (at the slots of
+/// `step`, reserved by the caller), and leave the logits of the step's first `nw` wanted
+/// tokens in `a.logits()`.
+pub fn forward<B: Backend>(
+    b: &B,
+    m: &ModelWeights<B>,
+    kv: &mut B::Kv,
+    a: &mut Activations<B>,
+    step: &B::Step,
+    n: usize,
+    nw: usize,
+) -> Result<()> {
+    let c = &m.cfg;
+    let (dim, ffn, eps) = (c.dim, c.ffn_dim, c.rms_eps);
+    let shape = AttnShape {
+        n_heads: c.n_heads,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+    };
+    b.embed(&m.token_embd, step, n, &mut a.x)?;
+    for (l, lw) in m.layers.iter().enumerate() {
+        b.rmsnorm(&a.x, &lw.attn_norm, eps, n, &mut a.h)?;
+        b.matmul(
+            [&lw.wq, &lw.wk, &lw.wv],
+            &a.h,
             n,
-            &mut [&mut *out],
+            [&mut a.q, &mut a.k, &mut a.v],
+            &mut a.scratch,
         )?;
-        Ok(out)
+        b.rope(&mut a.q, n, c.n_heads, c.head_dim, step, &m.rope)?;
+        b.rope(&mut a.k, n, c.n_kv_heads, c.head_dim, step, &m.rope)?;
+        b.kv_store(kv, l, &a.k, &a.v, step, n)?;
+        b.attention(&shape, &a.q, step, kv, l, &mut a.att)?;
+        b.matmul([&lw.wo], &a.att, n, [&mut a.o], &mut a.scratch)?;
+        b.add(&mut a.x, &a.o, n * dim)?;
+
+        b.rmsnorm(&a.x, &lw.ffn_norm, eps, n, &mut a.h)?;
+        b.matmul(
+            [&lw.w_gate, &lw.w_up],
+            &a.h,
+            n,
+            [&mut a.gate, &mut a.up],
+            &mut a.scratch,
+        )?;
+        b.silu_mul(&mut a.gate, &a.up, n * ffn)?;
+        b.matmul([&lw.w_down], &a.gate, n, [&mut a.o], &mut a.scratch)?;
+        b.add(&mut a.x, &a.o, n * dim)?;
+    }
+    if nw > 0 {
+        b.gather_wanted(&a.x, step, nw, dim, &mut a.last)?;
+        b.rmsnorm(&a.last, &m.output_norm, eps, nw, &mut a.normed)?;
+        b.matmul([m.output()], &a.normed, nw, [&mut a.logits], &mut a.scratch)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_grow_only_when_needed_to_powers_of_two() {
+        assert_eq!(grown_caps(64, 32, 64, 32), None);
+        assert_eq!(grown_caps(64, 32, 65, 1), Some((128, 32)));
+        assert_eq!(grown_caps(64, 32, 1, 33), Some((64, 64)));
+        assert_eq!(grown_caps(64, 32, 300, 40), Some((512, 64)));
+        assert_eq!(grown_caps(0, 0, 1, 0), Some((1, 1)));
     }
 }

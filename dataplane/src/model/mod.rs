@@ -1,12 +1,16 @@
-//! The Llama-family model: configuration, weights, paged KV cache, the batched forward
-//! pass, and the `ModelRunner` implementation.
+//! The Llama-family model: configuration, weights, the paged KV cache's accounting, the
+//! one batched forward pass (generic over `tandem_kernels::Backend`), and the
+//! `ModelRunner` implementations on top of it: the CPU runner and, with feature `cuda`,
+//! the CUDA runner.
 
 mod config;
 #[cfg(feature = "cuda")]
-pub mod cuda_runner;
+pub mod cuda;
 mod forward;
+mod info;
 pub mod kv_cache;
 mod kv_transfer;
+mod loaded;
 mod runner;
 pub mod synthetic;
 mod weights;
@@ -15,7 +19,9 @@ mod weights;
 mod tests;
 
 pub use config::LlamaConfig;
-pub use kv_cache::{KvCacheConfig, PagedKvCache};
-pub use kv_transfer::{KV_EXPORT_MAGIC, KV_EXPORT_VERSION};
-pub use runner::{CpuModelRunner, RunnerConfig};
+pub use forward::{Activations, LayerOn, ModelWeights, forward};
+pub use kv_cache::{BlockAllocator, KvCacheConfig};
+pub use kv_transfer::{KV_EXPORT_MAGIC, KV_EXPORT_VERSION, KvHeader};
+pub use loaded::{LoadedModel, RunnerConfig, StepOutcome};
+pub use runner::CpuModelRunner;
 pub use weights::{LayerWeights, WeightRef, Weights};

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use tandem_kernels::{GgmlType, Matrix, dequantize_row};
+use tandem_kernels::{GgmlType, HostMatrix, Matrix, SharedBytes, dequantize_row};
 
 use super::config::LlamaConfig;
 use crate::gguf::{Gguf, GgufError};
@@ -19,6 +19,23 @@ pub struct WeightRef {
 }
 
 impl WeightRef {
+    /// This matrix inside `file` (the bytes it was located in), kept alive by the handle.
+    pub fn host(&self, file: &SharedBytes) -> tandem_kernels::Result<HostMatrix> {
+        HostMatrix::new(
+            self.ty,
+            self.rows,
+            self.cols,
+            file.clone(),
+            self.start,
+            self.len,
+        )
+    }
+
+    /// Whether two references name the same bytes (a tied output projection).
+    pub fn same_place(&self, other: &WeightRef) -> bool {
+        (self.start, self.len) == (other.start, other.len)
+    }
+
     pub fn matrix<'a>(&self, file: &'a [u8]) -> Matrix<'a> {
         Matrix {
             ty: self.ty,
@@ -125,5 +142,10 @@ impl Weights {
 
     pub fn file(&self) -> &[u8] {
         self.gguf.bytes()
+    }
+
+    /// The mapped file as bytes that backends may hold on to.
+    pub fn bytes(&self) -> SharedBytes {
+        self.gguf.clone()
     }
 }

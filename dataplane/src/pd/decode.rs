@@ -54,8 +54,9 @@ pub fn start(
         limits,
     } = channel;
     if addrs.is_empty() {
-        return Err(crate::Error::Model(
-            "role decode needs at least one --prefill address".into(),
+        return Err(crate::Error::config(
+            "--prefill",
+            "role decode needs at least one --prefill address",
         ));
     }
     // Upper bound of one token's KV bytes (4-byte values at most), to refuse oversized KV.
@@ -66,9 +67,9 @@ pub fn start(
     let threads = LoopThreads::default();
     let mut peers = Vec::new();
     for (i, addr) in addrs.iter().enumerate() {
-        let io = |e: zmq::Error| crate::Error::Io {
-            path: format!("KV socket to {addr}"),
-            source: std::io::Error::other(e),
+        let io = |source| crate::Error::Transport {
+            endpoint: format!("tcp://{addr}"),
+            source,
         };
         let sock = ctx.socket(zmq::DEALER).map_err(io)?;
         wire::configure(&sock).map_err(io)?;
@@ -95,11 +96,12 @@ pub fn start(
             lifecycle: lifecycle.clone(),
         };
         let body = DealerLoop::new(config, health.clone(), shared.clone(), rx);
-        let thread =
-            supervise(body, health.clone(), metrics.clone()).map_err(|e| crate::Error::Io {
-                path: "KV loop thread".into(),
-                source: e,
-            })?;
+        let thread = supervise(body, health.clone(), metrics.clone()).map_err(|source| {
+            crate::Error::Thread {
+                name: "KV loop".into(),
+                source,
+            }
+        })?;
         threads.push(health.name.clone(), thread);
         peers.push(Peer {
             addr: addr.clone(),

@@ -106,9 +106,9 @@ pub fn start(
         timings,
         limits,
     } = channel;
-    let io = |e: zmq::Error| crate::Error::Io {
-        path: format!("KV socket tcp://{host}:{port}"),
-        source: std::io::Error::other(e),
+    let io = |source| crate::Error::Transport {
+        endpoint: format!("tcp://{host}:{port}"),
+        source,
     };
     let ctx = zmq::Context::new();
     let sock = ctx.socket(zmq::ROUTER).map_err(io)?;
@@ -138,9 +138,9 @@ pub fn start(
         rooms_open: rooms_open.clone(),
     };
     let body = RouterLoop::new(config, health.clone());
-    let thread = supervise(body, health.clone(), metrics).map_err(|e| crate::Error::Io {
-        path: "KV loop thread".into(),
-        source: e,
+    let thread = supervise(body, health.clone(), metrics).map_err(|source| crate::Error::Thread {
+        name: "KV loop".into(),
+        source,
     })?;
     let threads = LoopThreads::default();
     threads.push(health.name.clone(), thread);

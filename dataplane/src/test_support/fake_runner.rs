@@ -117,7 +117,7 @@ impl ModelRunner for FakeRunner {
             let s = st
                 .seqs
                 .get_mut(&b.seq)
-                .ok_or_else(|| Error::Model(format!("unknown {:?}", b.seq)))?;
+                .ok_or_else(|| Error::InvalidInput(format!("unknown {:?}", b.seq)))?;
             s.1.extend_from_slice(&b.tokens);
             assert!(s.1.len() <= s.0 * BLOCK, "wrote past the reservation");
             out.push(b.want_logits.then(|| toy_logits(&s.1)));

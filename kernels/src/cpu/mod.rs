@@ -1,10 +1,12 @@
 //! The optimized CPU backend: SIMD inner loops picked at run time, threads over output
 //! rows (matmul) or (query, KV head) pairs (attention).
 
+mod backend;
 mod pool;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
+pub use backend::{CpuBackend, HostKv};
 pub use pool::ThreadPool;
 
 use std::cell::RefCell;
@@ -103,14 +105,41 @@ impl std::fmt::Debug for CpuKernels {
     }
 }
 
+/// How the CPU backend runs: the dataplane's `--threads` and `--no-simd`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuOptions {
+    /// Threads of the kernel pool, the calling thread included; `None`: one per core.
+    pub threads: Option<usize>,
+    /// Use SIMD when the CPU has it; `false` forces the portable paths.
+    pub simd: bool,
+}
+
+impl Default for CpuOptions {
+    fn default() -> Self {
+        Self {
+            threads: None,
+            simd: true,
+        }
+    }
+}
+
 impl CpuKernels {
-    /// SIMD when the CPU has it (unless `TANDEM_NO_SIMD` is set), on the global pool.
+    /// SIMD when the CPU has it, on the global pool.
     pub fn new() -> Self {
-        Self::with_simd(std::env::var_os("TANDEM_NO_SIMD").is_none())
+        Self::with_options(CpuOptions::default())
+    }
+
+    /// SIMD as asked (and available), on the shared pool of the asked size.
+    pub fn with_options(o: CpuOptions) -> Self {
+        Self::on_pool(o.simd, ThreadPool::shared(o.threads))
     }
 
     /// `simd = false` forces the portable paths (still threaded); used to test them.
     pub fn with_simd(simd: bool) -> Self {
+        Self::on_pool(simd, ThreadPool::global())
+    }
+
+    fn on_pool(simd: bool, pool: &'static ThreadPool) -> Self {
         #[cfg(target_arch = "x86_64")]
         let simd = if simd { Avx2::detect() } else { None };
         #[cfg(not(target_arch = "x86_64"))]
@@ -121,7 +150,7 @@ impl CpuKernels {
         Self {
             simd,
             exact: false,
-            pool: ThreadPool::global(),
+            pool,
         }
     }
 
@@ -142,6 +171,10 @@ impl CpuKernels {
 
     pub fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    pub fn pool(&self) -> &'static ThreadPool {
+        self.pool
     }
 
     fn quantize_acts(&self, x: &[f32], n_tok: usize, cols: usize) -> Result<Vec<BlockQ8>> {
@@ -268,6 +301,10 @@ impl CpuKernels {
 }
 
 impl Kernels for CpuKernels {
+    fn thread_pool(&self) -> Option<&'static ThreadPool> {
+        Some(self.pool)
+    }
+
     fn name(&self) -> &'static str {
         match (self.simd.is_some(), self.exact) {
             (true, false) => "cpu-avx2",

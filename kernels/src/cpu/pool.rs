@@ -81,16 +81,27 @@ impl ThreadPool {
         }
     }
 
-    /// The process-wide pool: `TANDEM_THREADS` threads, else one per available core.
+    /// The process-wide pool with one thread per available core.
     pub fn global() -> &'static ThreadPool {
-        static POOL: OnceLock<ThreadPool> = OnceLock::new();
-        POOL.get_or_init(|| {
-            let n = std::env::var("TANDEM_THREADS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| thread::available_parallelism().map_or(1, |n| n.get()));
-            ThreadPool::new(n.max(1))
-        })
+        static DEFAULT: OnceLock<&'static ThreadPool> = OnceLock::new();
+        DEFAULT.get_or_init(|| Self::shared(None))
+    }
+
+    /// The process-wide pool of `threads` threads (`None`: one per available core),
+    /// started on first use. One pool per distinct size lives for the rest of the process,
+    /// so backends configured alike share their workers.
+    pub fn shared(threads: Option<usize>) -> &'static ThreadPool {
+        static POOLS: Mutex<Vec<&'static ThreadPool>> = Mutex::new(Vec::new());
+        let n = threads
+            .unwrap_or_else(|| thread::available_parallelism().map_or(1, |n| n.get()))
+            .max(1);
+        let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = pools.iter().find(|p| p.threads() == n) {
+            return p;
+        }
+        let p: &'static ThreadPool = Box::leak(Box::new(ThreadPool::new(n)));
+        pools.push(p);
+        p
     }
 
     pub fn threads(&self) -> usize {
@@ -273,6 +284,19 @@ mod tests {
             count.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(count.load(Ordering::Relaxed), 5);
+    }
+
+    #[test]
+    fn shared_pools_are_one_per_size() {
+        let a = ThreadPool::shared(Some(2));
+        assert_eq!(a.threads(), 2);
+        assert!(std::ptr::eq(a, ThreadPool::shared(Some(2))));
+        assert_eq!(
+            ThreadPool::shared(Some(0)).threads(),
+            1,
+            "at least the caller"
+        );
+        assert!(std::ptr::eq(ThreadPool::global(), ThreadPool::shared(None)));
     }
 
     #[test]

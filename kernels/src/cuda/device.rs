@@ -16,7 +16,8 @@ use cudarc::nvrtc::Ptx;
 
 use super::launch::{self, DecodeRow, Launch, MatmulKind};
 use super::sources::{self, Kernel, Target};
-use crate::api::{AttnShape, Matrix};
+use crate::api::{AttnQuery, AttnShape, Matrix};
+use crate::backend::StepDesc;
 use crate::error::{Error, Result, shape};
 use crate::rope::{RopeStyle, RopeTable};
 use crate::types::GgmlType;
@@ -72,19 +73,6 @@ pub fn probe(ordinal: usize) -> Result<DeviceInfo> {
     })
 }
 
-/// Parse a `--device` value: `cpu` → `None`, `cuda` → `Some(0)`, `cuda:N` → `Some(N)`.
-pub fn parse_device(s: &str) -> Result<Option<usize>> {
-    match s {
-        "cpu" => Ok(None),
-        "cuda" => Ok(Some(0)),
-        other => other
-            .strip_prefix("cuda:")
-            .and_then(|n| n.parse().ok())
-            .map(Some)
-            .ok_or_else(|| Error::Cuda(format!("bad device {other:?}: use cpu, cuda or cuda:N"))),
-    }
-}
-
 /// A weight matrix uploaded once, in its GGUF layout.
 #[derive(Debug)]
 pub struct DeviceMatrix {
@@ -111,7 +99,8 @@ pub struct DeviceRope {
 }
 
 /// Paged K and V pools of every layer: `k` is `[layer][pool]`, likewise `v`; a pool is
-/// `n_blocks · block_tokens` rows of `row_bytes` (the CPU `PagedKvCache` layout).
+/// `n_blocks · block_tokens` rows of `row_bytes` (the layout of the CPU backend's
+/// `HostKv`).
 #[derive(Debug)]
 pub struct DeviceKv {
     pub ty: GgmlType,
@@ -158,12 +147,28 @@ pub struct DeviceAttnPlan {
     tables: CudaSlice<u32>,
 }
 
-/// One query token of a batch for [`CudaDevice::attn_plan`]: it sees positions `0..n_ctx`
-/// of the sequence whose block table is `table`.
-#[derive(Debug, Clone, Copy)]
-pub struct HostQuery<'a> {
-    pub table: &'a [u32],
-    pub n_ctx: usize,
+/// One step's inputs on the device, as the kernels read them: token ids, positions, KV
+/// slots (negative: store nothing), the tokens whose logits are wanted, and the attention
+/// plan. Made per step by [`CudaDevice::upload_step`], or held at fixed addresses for
+/// CUDA graphs inside [`DecodeInputs`].
+#[derive(Debug)]
+pub struct CudaStep {
+    pub(crate) tokens: CudaSlice<u32>,
+    pub(crate) positions: CudaSlice<i32>,
+    pub(crate) slots: CudaSlice<i64>,
+    pub(crate) want: CudaSlice<u32>,
+    pub(crate) plan: DeviceAttnPlan,
+}
+
+impl CudaStep {
+    /// Query tokens of the step (the padded bucket for graph inputs).
+    pub fn n_queries(&self) -> usize {
+        self.plan.n_queries
+    }
+
+    pub fn plan(&self) -> &DeviceAttnPlan {
+        &self.plan
+    }
 }
 
 /// Fixed device buffers of a decode step (one new token for each of up to `cap`
@@ -175,12 +180,8 @@ pub struct HostQuery<'a> {
 pub struct DecodeInputs {
     cap: usize,
     table_cap: usize,
-    tokens: CudaSlice<u32>,
-    positions: CudaSlice<i32>,
-    slots: CudaSlice<i64>,
-    /// `0..cap`: every row wants logits, in order.
-    want: CudaSlice<u32>,
-    plan: DeviceAttnPlan,
+    /// `want` is `0..cap`: every row wants logits, in order.
+    step: CudaStep,
 }
 
 impl DecodeInputs {
@@ -196,28 +197,12 @@ impl DecodeInputs {
 
     /// Rows of the last write (the bucket), as the attention plan sees them.
     pub fn rows(&self) -> usize {
-        self.plan.n_queries
+        self.step.plan.n_queries
     }
 
-    pub fn tokens(&self) -> CudaView<'_, u32> {
-        self.tokens.as_view()
-    }
-
-    pub fn positions(&self) -> CudaView<'_, i32> {
-        self.positions.as_view()
-    }
-
-    pub fn slots(&self) -> CudaView<'_, i64> {
-        self.slots.as_view()
-    }
-
-    pub fn want(&self) -> CudaView<'_, u32> {
-        self.want.as_view()
-    }
-
-    /// Decode attention of the last write's rows: all single-token queries.
-    pub fn plan(&self) -> &DeviceAttnPlan {
-        &self.plan
+    /// The last write as step inputs: decode attention, all single-token queries.
+    pub fn step(&self) -> &CudaStep {
+        &self.step
     }
 }
 
@@ -714,7 +699,7 @@ impl CudaDevice {
     /// every block id against the pool, so the kernels never index outside it.
     pub fn attn_plan(
         &self,
-        queries: &[HostQuery<'_>],
+        queries: &[AttnQuery<'_>],
         runs: &[launch::QueryRun],
         kv: &DeviceKv,
     ) -> Result<DeviceAttnPlan> {
@@ -732,16 +717,20 @@ impl CudaDevice {
             }
             covered += r.len;
             let off = tables.len();
-            let table = queries[r.first].table;
+            let table = queries[r.first].block_table;
             for (i, q) in queries[r.first..r.first + r.len].iter().enumerate() {
                 let need = q.n_ctx.div_ceil(kv.block_tokens);
-                if q.n_ctx == 0 || q.table.len() < need || !std::ptr::eq(q.table, table) {
+                if q.n_ctx == 0 || q.block_table.len() < need || !std::ptr::eq(q.block_table, table)
+                {
                     return Err(shape(
                         "attn_plan",
                         format!("query {} of run {r:?}: n_ctx {}", r.first + i, q.n_ctx),
                     ));
                 }
-                if let Some(b) = q.table[..need].iter().find(|b| **b as usize >= kv.n_blocks) {
+                if let Some(b) = q.block_table[..need]
+                    .iter()
+                    .find(|b| **b as usize >= kv.n_blocks)
+                {
                     return Err(shape(
                         "attn_plan",
                         format!("block {b} outside {}", kv.n_blocks),
@@ -772,6 +761,49 @@ impl CudaDevice {
             n_ctx: self.upload(&n_ctx)?,
             tbl_off: self.upload(&tbl_off)?,
             tables: self.upload(&tables)?,
+        })
+    }
+
+    /// Upload a step's description: token ids, positions, KV slots, wanted rows and the
+    /// attention plan (each sequence's tokens one run), checking every block id.
+    pub fn upload_step(&self, desc: &StepDesc, kv: &DeviceKv) -> Result<CudaStep> {
+        let n = desc.len();
+        if desc.positions.len() != n || desc.slots.len() != n {
+            return Err(shape(
+                "step",
+                format!("{n} tokens, inconsistent description"),
+            ));
+        }
+        let rows = kv.n_blocks * kv.block_tokens;
+        if let Some(s) = desc.slots.iter().find(|s| **s >= rows) {
+            return Err(shape("step", format!("KV slot {s} outside {rows}")));
+        }
+        if let Some(w) = desc.want.iter().find(|w| **w >= n) {
+            return Err(shape("step", format!("wanted token {w} of {n}")));
+        }
+        let runs: Vec<launch::QueryRun> = desc
+            .seqs
+            .iter()
+            .map(|s| launch::QueryRun {
+                first: s.first,
+                len: s.len,
+                table_offset: 0,
+            })
+            .collect();
+        let plan = self.attn_plan(&desc.queries(), &runs, kv)?;
+        let positions = desc
+            .positions
+            .iter()
+            .map(|p| i32_of(*p))
+            .collect::<Result<Vec<_>>>()?;
+        let slots: Vec<i64> = desc.slots.iter().map(|s| *s as i64).collect();
+        let want: Vec<u32> = desc.want.iter().map(|w| *w as u32).collect();
+        Ok(CudaStep {
+            tokens: self.upload(&desc.tokens)?,
+            positions: self.upload(&positions)?,
+            slots: self.upload(&slots)?,
+            want: self.upload(&want)?,
+            plan,
         })
     }
 
@@ -1088,19 +1120,21 @@ impl CudaDevice {
         Ok(DecodeInputs {
             cap,
             table_cap,
-            tokens: self.zeros(cap)?,
-            positions: self.zeros(cap)?,
-            slots: self.upload(&vec![-1i64; cap])?,
-            want: self.upload(&want)?,
-            plan: DeviceAttnPlan {
-                n_queries: cap,
-                n_singles: cap,
-                n_tiles: 0,
-                singles: self.upload(&rows)?,
-                tiles: self.zeros(1)?,
-                n_ctx: self.upload(&vec![1i32; cap])?,
-                tbl_off: self.zeros(cap)?,
-                tables: self.zeros(table_cap)?,
+            step: CudaStep {
+                tokens: self.zeros(cap)?,
+                positions: self.zeros(cap)?,
+                slots: self.upload(&vec![-1i64; cap])?,
+                want: self.upload(&want)?,
+                plan: DeviceAttnPlan {
+                    n_queries: cap,
+                    n_singles: cap,
+                    n_tiles: 0,
+                    singles: self.upload(&rows)?,
+                    tiles: self.zeros(1)?,
+                    n_ctx: self.upload(&vec![1i32; cap])?,
+                    tbl_off: self.zeros(cap)?,
+                    tables: self.zeros(table_cap)?,
+                },
             },
         })
     }
@@ -1122,14 +1156,15 @@ impl CudaDevice {
             ));
         }
         let p = launch::pack_decode(rows, bucket, kv.block_tokens, kv.n_blocks, inp.table_cap)?;
-        self.upload_into(&p.tokens, &mut inp.tokens)?;
-        self.upload_into(&p.positions, &mut inp.positions)?;
-        self.upload_into(&p.slots, &mut inp.slots)?;
-        self.upload_into(&p.n_ctx, &mut inp.plan.n_ctx)?;
-        self.upload_into(&p.tbl_off, &mut inp.plan.tbl_off)?;
-        self.upload_into(&p.tables, &mut inp.plan.tables)?;
-        inp.plan.n_queries = bucket;
-        inp.plan.n_singles = bucket;
+        let st = &mut inp.step;
+        self.upload_into(&p.tokens, &mut st.tokens)?;
+        self.upload_into(&p.positions, &mut st.positions)?;
+        self.upload_into(&p.slots, &mut st.slots)?;
+        self.upload_into(&p.n_ctx, &mut st.plan.n_ctx)?;
+        self.upload_into(&p.tbl_off, &mut st.plan.tbl_off)?;
+        self.upload_into(&p.tables, &mut st.plan.tables)?;
+        st.plan.n_queries = bucket;
+        st.plan.n_singles = bucket;
         Ok(())
     }
 
@@ -1195,15 +1230,6 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(CudaDevice::new(4096).is_err());
-    }
-
-    #[test]
-    fn device_strings_parse() {
-        assert_eq!(parse_device("cpu").unwrap(), None);
-        assert_eq!(parse_device("cuda").unwrap(), Some(0));
-        assert_eq!(parse_device("cuda:3").unwrap(), Some(3));
-        assert!(parse_device("cuda:x").is_err());
-        assert!(parse_device("gpu").is_err());
     }
 
     #[test]

@@ -13,10 +13,16 @@
 //!   wrapper per kernel. A model runner keeps everything resident and only moves token
 //!   ids in and sampled tokens (or logits) out: `tandem_sample` (sampling.cu) samples
 //!   with temperature / top-k / top-p given one host-drawn uniform number per row.
+//! - [`CudaBackend`]: the [`crate::Backend`] trait on the device: buffers are
+//!   `CudaSlice<f32>`, weights [`DeviceMatrix`], the KV pools [`DeviceKv`], a step's inputs
+//!   [`CudaStep`]; every method only enqueues kernels on the stream (nothing is copied
+//!   between host and device but a step's inputs in [`crate::Backend::prepare_step`] and
+//!   explicit downloads), so the model's one forward pass runs resident on the GPU and
+//!   can be captured into a CUDA graph.
 //! - [`DecodeInputs`], [`CudaDevice::capture`], [`DeviceGraph`]: fixed-address inputs of
 //!   decode steps and CUDA-graph capture / replay of the work that reads them.
-//! - [`CudaKernels`]: the [`crate::Kernels`] trait on top, copying host slices in and out
-//!   per call. For tests against [`crate::ScalarKernels`] and one-off use, not for serving.
+//! - [`CudaKernels`]: the slice-level [`crate::Kernels`] trait on top, copying host slices
+//!   in and out per call. For tests against [`crate::ScalarKernels`], not for serving.
 //!
 //! Memory layouts (all identical to the CPU side so KV export/import and tests compare
 //! byte for byte):
@@ -31,14 +37,16 @@
 
 mod backend;
 mod device;
+mod kernels;
 pub mod launch;
 pub mod sources;
 
-pub use backend::CudaKernels;
+pub use backend::CudaBackend;
 pub use device::{
-    CudaDevice, DecodeInputs, DeviceAttnPlan, DeviceGraph, DeviceInfo, DeviceKv, DeviceMatrix,
-    DeviceRope, HostQuery, parse_device, probe,
+    CudaDevice, CudaStep, DecodeInputs, DeviceAttnPlan, DeviceGraph, DeviceInfo, DeviceKv,
+    DeviceMatrix, DeviceRope, probe,
 };
+pub use kernels::CudaKernels;
 pub use sources::{Kernel, SOURCES, Source, Target};
 
 /// Re-exported so that users of the backend name buffer types without depending on
