@@ -10,6 +10,7 @@ use tandem_dataplane::config::{Config, LogFormat};
 use tandem_dataplane::server;
 
 fn main() -> anyhow::Result<()> {
+    tandem_dataplane::parent::die_with_parent()?; // no orphan when the local runtime dies
     let cfg = Config::parse();
     init_tracing(cfg.log_format);
     let rt = tokio::runtime::Builder::new_multi_thread()
