@@ -6,7 +6,7 @@ MODEL_DIR := $(CURDIR)/.cache/models
 export TANDEM_PYTHON := $(PYTHON)
 export TANDEM_MODEL_DIR := $(MODEL_DIR)
 
-.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test bench bench-pd
+.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check gpu-test bench bench-pd bench-local
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests)
 test: lint crd-check pyenv model unit validate-crd cuda-check
@@ -15,7 +15,10 @@ lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
+# The local runtime's tests (operator/tests/local_runtime.rs) start
+# target/debug/tandem-dataplane: built before any test runs.
 unit:
+	cargo build -p tandem-dataplane --bin tandem-dataplane
 	cargo test --workspace
 
 # NVRTC from the nvidia-cuda-nvrtc-cu12 wheel (scripts/requirements-test.txt), found at run
@@ -52,6 +55,14 @@ bench-pd: model
 	cat /proc/loadavg
 	./target/release/examples/bench_pd --model $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 
+## bench-local: the local runtime's recovery: cold start, SIGKILL of the decode and of the
+## prefill -> serving again (release build, real chat requests; see BENCHMARKS.md)
+bench-local: model
+	cargo build --release -p tandem-operator -p tandem-dataplane --bin tandem-operator --bin tandem-dataplane
+	cat /proc/loadavg
+	python3 scripts/bench_local_recovery.py --reps 5
+	cat /proc/loadavg
+
 ## crds: regenerate crds/ from the Rust types
 crds:
 	cargo run -q -p tandem-operator --bin crdgen > crds/pddeployment.yaml
@@ -76,6 +87,13 @@ model:
 
 fmt:
 	cargo fmt --all
+
+## demo: the embedded default — fetch SmolLM2, build (release), run
+## manifests/examples/smollm2-local.yaml with the local runtime (one group: a prefill and a
+## decode process), ask it a question, print the answer and how to use the endpoint on
+## http://127.0.0.1:8000 and how to break a member; Ctrl-C stops it
+demo:
+	scripts/demo.sh
 
 ## serve: the main job — serve SmolLM2 with the OpenAI API on 127.0.0.1:8000 (CPU, --role both)
 serve: model

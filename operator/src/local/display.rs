@@ -37,7 +37,8 @@ fn cut(mut s: String) -> String {
 }
 
 /// The screen for `snap` at `now`, one string per line.
-pub fn render(snap: &Snapshot, now: Timestamp, grace: Duration) -> Vec<String> {
+pub fn render(snap: &Snapshot, now: Timestamp) -> Vec<String> {
+    let grace = snap.grace_seconds;
     let mut out = Vec::new();
     out.push(format!(
         "Tandem local runtime · {} · generation {} · {}",
@@ -138,14 +139,10 @@ pub fn render(snap: &Snapshot, now: Timestamp, grace: Duration) -> Vec<String> {
     out.push(String::new());
     out.push(if snap.shutting_down {
         format!(
-            "stopping: SIGTERM to every member, SIGKILL after {}s (Ctrl-C again to kill now)",
-            grace.as_secs()
+            "stopping: SIGTERM to every member, SIGKILL after {grace}s (Ctrl-C again to kill now)"
         )
     } else {
-        format!(
-            "Ctrl-C stops every member (SIGTERM, then SIGKILL after {}s)",
-            grace.as_secs()
-        )
+        format!("Ctrl-C stops every member (SIGTERM, then SIGKILL after {grace}s)")
     });
     out.into_iter().map(cut).collect()
 }
@@ -163,7 +160,7 @@ fn draw(lines: &[String]) {
 }
 
 /// Redraw until the snapshot sender goes away (or the task is aborted).
-pub async fn run(mut rx: watch::Receiver<Arc<Snapshot>>, grace: Duration) {
+pub async fn run(mut rx: watch::Receiver<Arc<Snapshot>>) {
     {
         let mut stdout = std::io::stdout().lock();
         let _ = stdout.write_all(b"\x1b[2J\x1b[H\x1b[?25l");
@@ -176,13 +173,13 @@ pub async fn run(mut rx: watch::Receiver<Arc<Snapshot>>, grace: Duration) {
             _ = tick.tick() => {}
         }
         let snap = rx.borrow().clone();
-        draw(&render(&snap, Timestamp::now(), grace));
+        draw(&render(&snap, Timestamp::now()));
     }
 }
 
 /// Draw `snap` one last time and give the cursor back.
-pub fn finish(snap: &Snapshot, grace: Duration) {
-    draw(&render(snap, Timestamp::now(), grace));
+pub fn finish(snap: &Snapshot) {
+    draw(&render(snap, Timestamp::now()));
     let mut stdout = std::io::stdout().lock();
     let _ = stdout.write_all(b"\x1b[?25h");
     let _ = stdout.flush();
@@ -204,6 +201,7 @@ mod tests {
             "m.yaml".into(),
             "http://127.0.0.1:8000".into(),
             "/tmp/l".into(),
+            30,
         );
         snap.generation = 2;
         snap.status = Some(PDDeploymentStatus {
@@ -223,7 +221,7 @@ mod tests {
         });
         snap.unavailable = "no group is ready: group 0 is StartingDecode".into();
         snap.spec_error = Some("spec.groups: -1 is less than the minimum 0".into());
-        let text = render(&snap, now, Duration::from_secs(30)).join("\n");
+        let text = render(&snap, now).join("\n");
         for want in [
             "demo · generation 2",
             "http://127.0.0.1:8000/v1",

@@ -147,6 +147,7 @@ pub async fn run(opts: Options, manifest: manifest::Manifest) -> Result<()> {
         opts.file.clone(),
         endpoint.clone(),
         opts.log_dir.clone(),
+        opts.grace.as_secs(),
     )));
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
 
@@ -177,7 +178,7 @@ pub async fn run(opts: Options, manifest: manifest::Manifest) -> Result<()> {
     }
     let display = opts
         .live
-        .then(|| tokio::spawn(display::run(snap_rx.clone(), opts.grace)));
+        .then(|| tokio::spawn(display::run(snap_rx.clone())));
 
     let namespace = manifest
         .pdd
@@ -213,7 +214,7 @@ pub async fn run(opts: Options, manifest: manifest::Manifest) -> Result<()> {
 
     if let Some(d) = display {
         d.abort();
-        display::finish(&snap_rx.borrow(), opts.grace);
+        display::finish(&snap_rx.borrow());
     }
     for t in [router_task, watch_task, signal_task] {
         t.abort();

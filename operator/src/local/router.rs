@@ -9,7 +9,8 @@
 //! - No ready group: 503 at once with a JSON body saying why, never a wait.
 //! - Also served: `/health` (the runtime's event loop answers), `/ready` (some group can
 //!   take traffic), `/metrics` (the operator's metrics plus the router's), `/status` (the
-//!   whole [`Snapshot`] as JSON: status, members, endpoints, the record).
+//!   whole [`Snapshot`] as JSON: status, members, endpoints, the record) and
+//!   `/status.txt` (the terminal display's text).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -180,13 +181,19 @@ impl Router {
                     text,
                 )
             }
+            (&Method::GET, "/status.txt") => {
+                let mut text =
+                    super::display::render(&snap, k8s_openapi::jiff::Timestamp::now()).join("\n");
+                text.push('\n');
+                full(StatusCode::OK, "text/plain; charset=utf-8", text)
+            }
             (&Method::GET, "/status") => match serde_json::to_string_pretty(&*snap) {
                 Ok(s) => full(StatusCode::OK, "application/json", s),
                 Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "status", &e.to_string()),
             },
             _ => json_body(
                 StatusCode::NOT_FOUND,
-                &json!({"error": {"message": format!("no route for {} {path}: the OpenAI API is under /v1/, the runtime's own endpoints are /health, /ready, /metrics and /status", req.method()), "type": "not_found", "code": "not_found"}}),
+                &json!({"error": {"message": format!("no route for {} {path}: the OpenAI API is under /v1/, the runtime's own endpoints are /health, /ready, /metrics, /status and /status.txt", req.method()), "type": "not_found", "code": "not_found"}}),
             ),
         }
     }

@@ -337,6 +337,7 @@ impl Runtime {
             file: self.descr.file.clone(),
             endpoint: self.descr.endpoint.clone(),
             log_dir: self.descr.log_dir.clone(),
+            grace_seconds: self.descr.grace.as_secs(),
             generation: self.generation,
             spec_error: self.spec_error.clone(),
             shutting_down: self.shutting_down,

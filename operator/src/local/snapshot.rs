@@ -31,6 +31,8 @@ pub struct Snapshot {
     /// Base URL of the OpenAI endpoint.
     pub endpoint: String,
     pub log_dir: PathBuf,
+    /// SIGTERM → SIGKILL delay of a stopped member.
+    pub grace_seconds: u64,
     /// Bumped by every spec change read from the file.
     pub generation: i64,
     /// The latest manifest could not be used; the previous spec keeps running.
@@ -47,12 +49,19 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    pub fn empty(deployment: &str, file: PathBuf, endpoint: String, log_dir: PathBuf) -> Self {
+    pub fn empty(
+        deployment: &str,
+        file: PathBuf,
+        endpoint: String,
+        log_dir: PathBuf,
+        grace_seconds: u64,
+    ) -> Self {
         Self {
             deployment: deployment.to_string(),
             file,
             endpoint,
             log_dir,
+            grace_seconds,
             generation: 0,
             spec_error: None,
             shutting_down: false,
