@@ -758,6 +758,59 @@ mod tests {
     }
 
     #[test]
+    fn the_invocation_takes_its_network_from_the_executor() {
+        let p = pdd(testutil::spec(3));
+        let i = intent(&p, Role::Decode, 0);
+        // The pod's: no --host, the spec's ports, the prefills' DNS names.
+        let pod = pod(&p, &i).unwrap();
+        let c = &pod.spec.unwrap().containers[0];
+        let cluster =
+            dataplane_invocation("demo", &i, &DataplaneNetwork::in_cluster("demo", "ns1", &i));
+        assert_eq!(c.args.as_ref(), Some(&cluster.args));
+        assert_eq!(c.env.as_ref(), Some(&cluster.env));
+        assert!(!cluster.args.contains(&"--host".to_string()));
+        // The local runtime's: loopback, its own ports, the prefills' loopback addresses;
+        // everything else the same.
+        let local = dataplane_invocation(
+            "demo",
+            &i,
+            &DataplaneNetwork {
+                host: Some("127.0.0.1".into()),
+                http_port: 41000,
+                kv_port: 41001,
+                prefill_peers: vec!["127.0.0.1:42001".into()],
+            },
+        );
+        assert_eq!(
+            local.args,
+            [
+                "--role",
+                "decode",
+                "--model",
+                "/models/smollm2.gguf",
+                "--served-model-name",
+                "smollm2",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "41000",
+                "--kv-port",
+                "41001",
+                "--prefill",
+                "127.0.0.1:42001"
+            ]
+        );
+        let names = |e: &[EnvVar]| e.iter().map(|v| v.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&local.env), names(&cluster.env));
+        let peers = local
+            .env
+            .iter()
+            .find(|e| e.name == "TANDEM_PREFILL_PEERS")
+            .unwrap();
+        assert_eq!(peers.value.as_deref(), Some("127.0.0.1:42001"));
+    }
+
+    #[test]
     fn pod_uses_the_intent_template_not_the_live_spec() {
         let p = pdd(testutil::spec(1));
         let mut i = intent(&p, Role::Prefill, 0);

@@ -111,7 +111,7 @@ pub fn load(file: &Path) -> Result<manifest::Manifest> {
     manifest::load(file).map_err(Error::Manifest)
 }
 
-/// Run `manifest` (read from `opts.file`) until SIGINT or SIGTERM, then stop every
+/// Run `manifest` (read from `opts.file`) until SIGINT, SIGTERM or SIGHUP, then stop every
 /// member. Must run on a current-thread Tokio runtime (see [`process`]).
 pub async fn run(opts: Options, manifest: manifest::Manifest) -> Result<()> {
     check_dataplane(&opts.dataplane)?;
@@ -223,26 +223,35 @@ pub async fn run(opts: Options, manifest: manifest::Manifest) -> Result<()> {
     Ok(())
 }
 
-type StopSignals = (tokio::signal::unix::Signal, tokio::signal::unix::Signal);
+type StopSignals = (
+    tokio::signal::unix::Signal,
+    tokio::signal::unix::Signal,
+    tokio::signal::unix::Signal,
+);
 
 fn install_signals() -> Result<StopSignals> {
     use tokio::signal::unix::{SignalKind, signal};
     let io = |source| Error::Io {
-        what: "listening for SIGINT and SIGTERM".into(),
+        what: "listening for SIGINT, SIGTERM and SIGHUP".into(),
         source,
     };
     Ok((
         signal(SignalKind::terminate()).map_err(io)?,
         signal(SignalKind::interrupt()).map_err(io)?,
+        signal(SignalKind::hangup()).map_err(io)?,
     ))
 }
 
-/// Forward every SIGINT and SIGTERM to the runtime.
-async fn signals((mut term, mut int): StopSignals, tx: tokio::sync::mpsc::UnboundedSender<Input>) {
+/// Forward every SIGINT, SIGTERM and SIGHUP (the terminal went away) to the runtime.
+async fn signals(
+    (mut term, mut int, mut hup): StopSignals,
+    tx: tokio::sync::mpsc::UnboundedSender<Input>,
+) {
     loop {
         let signal = tokio::select! {
             _ = term.recv() => "SIGTERM",
             _ = int.recv() => "SIGINT",
+            _ = hup.recv() => "SIGHUP",
         };
         if tx.send(Input::Stop { signal }).is_err() {
             return;

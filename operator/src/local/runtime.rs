@@ -49,7 +49,7 @@ pub enum Input {
     },
     /// The manifest file changed: its new content, checked.
     Manifest(Result<Box<Manifest>, String>),
-    /// SIGINT or SIGTERM.
+    /// SIGINT, SIGTERM or SIGHUP.
     Stop {
         signal: &'static str,
     },
