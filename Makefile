@@ -60,7 +60,7 @@ bench-pd: model
 bench-local: model
 	cargo build --release -p tandem-operator -p tandem-dataplane --bin tandem-operator --bin tandem-dataplane
 	cat /proc/loadavg
-	python3 scripts/bench_local_recovery.py --reps 5
+	python3 scripts/bench_local_recovery.py --reps 3
 	cat /proc/loadavg
 
 ## crds: regenerate crds/ from the Rust types
