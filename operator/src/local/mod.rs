@@ -212,9 +212,15 @@ pub async fn run(opts: Options, manifest: manifest::Manifest) -> Result<()> {
     );
     rt.run(rx).await;
 
+    let left = rt.exec.running();
     if let Some(d) = display {
         d.abort();
         display::finish(&snap_rx.borrow());
+        if left == 0 {
+            println!("stopped: every member has exited");
+        } else {
+            println!("stopped: {left} member(s) still running after SIGKILL");
+        }
     }
     for t in [router_task, watch_task, signal_task] {
         t.abort();

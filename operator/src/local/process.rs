@@ -9,7 +9,7 @@
 //!   runs on a current-thread Tokio runtime);
 //! - runs in its own process group, so a Ctrl-C on the terminal reaches only the runtime,
 //!   which then stops the members in order;
-//! - writes its stdout and stderr to its own log file.
+//! - writes its stdout and stderr to its own log file (with `NO_COLOR=1`).
 //!
 //! A child is owned by one task that waits for it and sends it signals, so a signal never
 //! reaches a PID that has already been reaped (and maybe reused).
@@ -96,6 +96,8 @@ impl Processes for LocalProcesses {
             .args(&launch.args)
             .envs(launch.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env(PARENT_PID_ENV, std::process::id().to_string())
+            // Its output is a file: no terminal colours (honoured by tracing-subscriber).
+            .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err_log)
