@@ -42,8 +42,8 @@ stop() {
   echo "stopping the local runtime (SIGTERM: it stops the decode, then the prefill)..."
   kill -TERM "$runtime" 2>/dev/null || true
   wait "$runtime" 2>/dev/null || true
+  sleep 0.5  # let the log's last lines through
   [ -n "$tail_pid" ] && kill "$tail_pid" 2>/dev/null || true
-  tail -n 3 "$log"
   exit 0
 }
 trap stop INT TERM
@@ -65,7 +65,7 @@ until curl -sf -o /dev/null "$url/ready"; do
 done
 
 question="What is the capital of France?"
-body='{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "'"$question"'"}], "max_tokens": 48, "temperature": 0}'
+body='{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "'"$question"'"}], "max_tokens": 24, "temperature": 0}'
 answer="$(curl -s "$url/v1/chat/completions" -H 'content-type: application/json' -d "$body")"
 status="$(curl -s "$url/status")"
 read -r prefill_pid decode_pid < <(printf '%s' "$status" | python3 -c '
@@ -88,11 +88,14 @@ The OpenAI endpoint stays up at $url/v1:
   curl $url/status          # the same as JSON, with the runtime's record of what it did
   watch -n1 curl -s $url/status.txt
 
-Break it and watch it heal:
-  kill -9 $decode_pid          # the decode dies: the group co-restarts, prefill first
-  kill -STOP $prefill_pid      # the prefill hangs: the decode goes not ready, requests get 503,
-                               # and after 10 s the group is co-restarted
-  edit $manifest               # e.g. decode args: the group rolls to the new spec
+Break it and watch it heal (in another terminal; the log below shows what happens):
+  # the decode dies: the group co-restarts, decode gone first, then rebuilt prefill first
+  kill -9 $decode_pid
+  # the prefill hangs: the decode goes not ready, requests get 503 at once, and 10 s
+  # later the group is co-restarted
+  kill -STOP $prefill_pid
+  # change the decode's args (or any pod-shaping field): the group rolls to the new spec
+  \$EDITOR $manifest
 
 Ctrl-C stops everything. The runtime's log ($log):
 EOF
