@@ -77,10 +77,6 @@ struct LocalArgs {
     /// termination grace period).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     grace_period_seconds: u64,
-    /// Seconds a member may take to load its model and answer HTTP before it is killed
-    /// and counted as failed.
-    #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
-    startup_seconds: u64,
     /// `text`: a live status when stdout is a terminal, else log lines; `json`: JSON log
     /// lines.
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
@@ -171,7 +167,6 @@ fn run_local(args: LocalArgs) -> anyhow::Result<()> {
         dataplane: args.dataplane.unwrap_or_else(local::default_dataplane),
         log_dir,
         grace: Duration::from_secs(args.grace_period_seconds),
-        startup_allowance: Duration::from_secs(args.startup_seconds),
         live,
     };
     tokio::runtime::Builder::new_current_thread()

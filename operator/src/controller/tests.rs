@@ -98,6 +98,31 @@ fn member(role: Role, incarnation: i64, phase: &str, ready: bool, gate: Option<b
     pod
 }
 
+/// The applied pod, as it goes over the wire: probes with explicit timeouts (a startup
+/// probe covering model loading) and the restricted security defaults.
+fn assert_restricted_with_startup_probe(pod: &Value) {
+    let spec = &pod["spec"];
+    assert_eq!(spec["automountServiceAccountToken"], false);
+    assert_eq!(
+        spec["securityContext"],
+        json!({"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532,
+               "seccompProfile": {"type": "RuntimeDefault"}})
+    );
+    let c = &spec["containers"][0];
+    assert_eq!(
+        c["securityContext"],
+        json!({"allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true,
+               "capabilities": {"drop": ["ALL"]}})
+    );
+    let probe = |path: &str, period: i32, timeout: i32, threshold: i32| {
+        json!({"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+               "timeoutSeconds": timeout, "failureThreshold": threshold})
+    };
+    assert_eq!(c["startupProbe"], probe("/health", 2, 2, 300));
+    assert_eq!(c["readinessProbe"], probe("/ready", 2, 2, 3));
+    assert_eq!(c["livenessProbe"], probe("/health", 10, 5, 3));
+}
+
 type ApiHandle = Handle<Request<Body>, Response<Body>>;
 
 struct MockApi {
@@ -161,11 +186,19 @@ impl MockApi {
             (method, uri.to_string()),
             "unexpected request; body: {body}"
         );
+        let content_type = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_string());
+        // Every request the controller makes is one the chart's RBAC allows.
+        testutil::rbac::assert_allowed(
+            &parts.method,
+            &parts.uri.to_string(),
+            content_type.as_deref(),
+            &body,
+        );
         Seen {
-            content_type: parts
-                .headers
-                .get(http::header::CONTENT_TYPE)
-                .map(|v| v.to_str().unwrap().to_string()),
+            content_type,
             body,
             respond,
         }
@@ -316,6 +349,7 @@ async fn a_new_deployment_gets_its_objects_and_only_the_prefill_pod() {
         assert_eq!(pod["metadata"]["labels"][labels::ROLE], "prefill");
         assert_eq!(pod["metadata"]["labels"][labels::INCARNATION], "1");
         assert_eq!(pod["spec"]["restartPolicy"], "Never");
+        assert_restricted_with_startup_probe(&pod);
         let ev = api.event().await;
         assert_eq!(ev["reason"], "GroupPhaseChanged");
         assert_eq!(ev["type"], "Normal");
@@ -395,6 +429,7 @@ async fn a_ready_prefill_gets_its_decode() {
             peers["value"],
             "prefill-0.demo-g0-bootstrap.default.svc:5600"
         );
+        assert_restricted_with_startup_probe(&pod);
         let ev = api.event().await;
         assert_eq!(ev["reason"], "GroupPhaseChanged");
         let status = api.status().await;

@@ -177,9 +177,6 @@ pub struct ExecutorConfig {
     pub host: IpAddr,
     /// SIGTERM → SIGKILL delay of a planned delete.
     pub grace: Duration,
-    /// A process whose HTTP server has not answered by then is killed (it then reads as
-    /// Failed). Model loading within the allowance is never taken for a failure.
-    pub startup_allowance: Duration,
     pub log_dir: PathBuf,
 }
 
@@ -194,6 +191,11 @@ pub struct Executor<P> {
 fn after(t: Timestamp, d: Duration) -> Timestamp {
     t.checked_add(SignedDuration::try_from(d).unwrap_or(SignedDuration::MAX))
         .unwrap_or(Timestamp::MAX)
+}
+
+/// How long a member may take before its HTTP server answers.
+fn startup_allowance(m: &Member) -> Duration {
+    Duration::from_secs(m.health.startup_timeout_seconds.max(1) as u64)
 }
 
 fn delete_reason(r: DeleteReason) -> String {
@@ -595,10 +597,12 @@ impl<P: Processes> Executor<P> {
     }
 
     /// Send the SIGKILLs that are due: a planned delete past its grace period, and a
-    /// process that has not answered within the startup allowance.
+    /// process whose HTTP server has not answered within its `health.startupTimeoutSeconds`
+    /// (the startup probe's limit on a cluster; it then reads as Failed). Loading the
+    /// model within that time is never taken for a failure.
     pub fn enforce_deadlines(&mut self, now: Timestamp) {
-        let allowance = self.config.startup_allowance;
         for m in self.members.values_mut().filter(|m| m.alive()) {
+            let allowance = startup_allowance(m);
             let mut kill = None;
             if let Some(t) = &mut m.terminating {
                 if !t.killed && t.kill_at <= now {
@@ -615,7 +619,7 @@ impl<P: Processes> Executor<P> {
                 && after(m.started, allowance) <= now
             {
                 let why = format!(
-                    "its HTTP server did not answer within the startup allowance of {}s",
+                    "its HTTP server did not answer within health.startupTimeoutSeconds ({}s)",
                     allowance.as_secs()
                 );
                 kill = Some(format!("SIGKILL to {} (pid {}): {why}", m.name, m.pid));
@@ -638,7 +642,6 @@ impl<P: Processes> Executor<P> {
 
     /// The next time [`Self::enforce_deadlines`] has something to do.
     pub fn next_deadline(&self) -> Option<Timestamp> {
-        let allowance = self.config.startup_allowance;
         self.members
             .values()
             .filter(|m| m.alive())
@@ -646,7 +649,7 @@ impl<P: Processes> Executor<P> {
                 Some(t) if !t.killed => Some(t.kill_at),
                 Some(_) => None,
                 None if !m.readiness.answered && m.startup_failure.is_none() => {
-                    Some(after(m.started, allowance))
+                    Some(after(m.started, startup_allowance(m)))
                 }
                 None => None,
             })

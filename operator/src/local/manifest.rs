@@ -160,6 +160,9 @@ fn cluster_only_fields(doc: &Value) -> Vec<String> {
             "labels",
             "annotations",
             "serviceAccountName",
+            "automountServiceAccountToken",
+            "securityContext",
+            "containerSecurityContext",
         ] {
             note(&t[f], &format!("spec.{role}.template.{f}"));
         }

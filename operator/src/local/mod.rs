@@ -73,8 +73,6 @@ pub struct Options {
     pub log_dir: PathBuf,
     /// SIGTERM → SIGKILL delay (a pod's termination grace period).
     pub grace: Duration,
-    /// A member whose HTTP server has not answered by then is killed as failed.
-    pub startup_allowance: Duration,
     /// Draw the live status on stdout (a terminal).
     pub live: bool,
 }
@@ -192,7 +190,6 @@ pub async fn run(opts: Options, manifest: manifest::Manifest) -> Result<()> {
             namespace,
             host: IpAddr::V4(Ipv4Addr::LOCALHOST),
             grace: opts.grace,
-            startup_allowance: opts.startup_allowance,
             log_dir: opts.log_dir.clone(),
         },
         LocalProcesses::new(opts.dataplane.clone(), tx),

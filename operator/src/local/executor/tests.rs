@@ -49,7 +49,6 @@ fn executor() -> Executor<Fake> {
             namespace: "default".into(),
             host: IpAddr::V4(Ipv4Addr::LOCALHOST),
             grace: Duration::from_secs(5),
-            startup_allowance: Duration::from_secs(60),
             log_dir: PathBuf::from("/tmp/logs"),
         },
         Fake::default(),
@@ -57,7 +56,8 @@ fn executor() -> Executor<Fake> {
 }
 
 fn intent(role: Role, incarnation: i64) -> PodIntent {
-    let s = spec(1);
+    let mut s = spec(1);
+    s.health.startup_timeout_seconds = 60;
     PodIntent {
         name: names::pod_name("demo", 0, incarnation, role, 0),
         group: 0,
@@ -315,7 +315,11 @@ fn a_process_that_never_answers_is_killed_after_the_startup_allowance() {
     );
     let m = &x.members["demo-g0-i1-p0"];
     assert!(
-        m.exit.as_ref().unwrap().how.contains("startup allowance"),
+        m.exit
+            .as_ref()
+            .unwrap()
+            .how
+            .contains("startupTimeoutSeconds (60s)"),
         "{:?}",
         m.exit
     );
