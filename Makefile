@@ -11,8 +11,8 @@ export HELM := $(CURDIR)/.cache/bin/helm
 # The chart's values and manifests/examples use the same (scripts/chart.sh checks it).
 export IMAGE_REGISTRY ?= ghcr.io/tandem
 
-.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test \
-	bench bench-pd faults helm manifests chart-check static images image-check
+.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check gpu-test \
+	bench bench-pd bench-local faults helm manifests chart-check static images image-check
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
 ## the Helm chart and manifests, the images where a Docker daemon runs)
@@ -22,7 +22,10 @@ lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
+# The local runtime's tests (operator/tests/local_runtime.rs) start
+# target/debug/tandem-dataplane: built before any test runs.
 unit:
+	cargo build -p tandem-dataplane --bin tandem-dataplane
 	cargo test --workspace
 
 # NVRTC from the nvidia-cuda-nvrtc-cu12 wheel (scripts/requirements-test.txt), found at run
@@ -69,6 +72,14 @@ faults: model
 	cargo build --release -p tandem-dataplane --bin tandem-dataplane --test fault_matrix
 	cat /proc/loadavg
 	TANDEM_FAULTS_REPS=3 cargo test --release -p tandem-dataplane --test fault_matrix -- --nocapture
+	cat /proc/loadavg
+
+## bench-local: the local runtime's recovery: cold start, SIGKILL of the decode and of the
+## prefill -> serving again (release build, real chat requests; see BENCHMARKS.md)
+bench-local: model
+	cargo build --release -p tandem-operator -p tandem-dataplane --bin tandem-operator --bin tandem-dataplane
+	cat /proc/loadavg
+	python3 scripts/bench_local_recovery.py --reps 3
 	cat /proc/loadavg
 
 ## crds: regenerate crds/ from the Rust types, then the chart's copy and manifests/install.yaml
@@ -122,6 +133,13 @@ model:
 
 fmt:
 	cargo fmt --all
+
+## demo: the embedded default — fetch SmolLM2, build (release), run
+## manifests/examples/smollm2-local.yaml with the local runtime (one group: a prefill and a
+## decode process), ask it a question, print the answer and how to use the endpoint on
+## http://127.0.0.1:8000 and how to break a member; Ctrl-C stops it
+demo:
+	scripts/demo.sh
 
 ## serve: the main job — serve SmolLM2 with the OpenAI API on 127.0.0.1:8000 (CPU, --role both)
 serve: model

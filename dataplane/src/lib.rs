@@ -12,6 +12,7 @@ pub mod app;
 pub mod chat;
 pub mod config;
 pub mod metrics;
+pub mod parent;
 pub mod sampling;
 pub mod scheduler;
 pub mod server;

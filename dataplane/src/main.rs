@@ -11,6 +11,7 @@ use tandem_dataplane::server;
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_millis(600);
 
 fn main() -> anyhow::Result<()> {
+    tandem_dataplane::parent::die_with_parent()?; // no orphan when the local runtime dies
     let cfg = Config::parse();
     init_tracing(cfg.log_format);
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -4,6 +4,7 @@
 pub mod controller;
 pub mod crd;
 pub mod leader;
+pub mod local;
 pub mod metrics;
 pub mod names;
 pub mod planner;

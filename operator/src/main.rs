@@ -1,20 +1,25 @@
 //! `tandem-operator`: reconciles `PDDeployment`s. Thin wiring of the library: flags,
-//! logging, the metrics/health server, leader election and the controller.
+//! logging, the metrics/health server, leader election and the controller — or, with
+//! `local -f FILE`, the local runtime that runs one `PDDeployment` with local processes.
 //!
 //! Exit status: 0 after SIGTERM/SIGINT (running reconciles finish, the lease is
-//! released); 1 when the leader lease is lost — the Deployment restarts the process,
-//! which then competes for the lease again as a standby.
+//! released; locally, every member process has exited); 1 when the leader lease is lost —
+//! the Deployment restarts the process, which then competes for the lease again as a
+//! standby — or when the local manifest cannot be run.
 
-use std::net::SocketAddr;
+use std::io::IsTerminal;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use clap::{ArgAction, Parser, ValueEnum};
+use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 use kube::Client;
 use kube::runtime::events::Reporter;
 use tandem_operator::controller::{self, Context};
 use tandem_operator::leader::{self, ElectionConfig, Elector, Outcome};
+use tandem_operator::local;
 use tandem_operator::metrics::Metrics;
 use tandem_operator::server::{self, ElectionView, Readiness};
 use tokio::net::TcpListener;
@@ -32,9 +37,54 @@ enum LogFormat {
 #[command(
     name = "tandem-operator",
     version,
-    about = "Kubernetes operator for Tandem PD-disaggregated serving"
+    about = "Kubernetes operator for Tandem PD-disaggregated serving",
+    args_conflicts_with_subcommands = true
 )]
-struct Args {
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Without a subcommand: the Kubernetes controller.
+    #[command(flatten)]
+    controller: ControllerArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run one PDDeployment on this machine: the same planner, local tandem-dataplane
+    /// processes instead of pods, an OpenAI endpoint on localhost.
+    Local(LocalArgs),
+}
+
+#[derive(Args, Debug)]
+struct LocalArgs {
+    /// The PDDeployment manifest (edits are picked up while it runs).
+    #[arg(short = 'f', long = "file")]
+    file: PathBuf,
+    /// Port of the OpenAI endpoint (the local stand-in for the client Service).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Address of the OpenAI endpoint.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// The tandem-dataplane binary [default: the one next to this executable].
+    #[arg(long, env = "TANDEM_DATAPLANE")]
+    dataplane: Option<PathBuf>,
+    /// Directory of the members' log files (and of this runtime's log while the live
+    /// status is on the terminal) [default: <tmp>/tandem-local/<name>].
+    #[arg(long)]
+    log_dir: Option<PathBuf>,
+    /// Seconds between SIGTERM and SIGKILL when a member is stopped (a pod's
+    /// termination grace period).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    grace_period_seconds: u64,
+    /// `text`: a live status when stdout is a terminal, else log lines; `json`: JSON log
+    /// lines.
+    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
+    log_format: LogFormat,
+}
+
+#[derive(Args, Debug)]
+struct ControllerArgs {
     /// Namespace to watch; every namespace when unset.
     #[arg(long, env = "TANDEM_WATCH_NAMESPACE")]
     namespace: Option<String>,
@@ -56,14 +106,75 @@ struct Args {
     log_format: LogFormat,
 }
 
+fn filter() -> EnvFilter {
+    EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,kube=warn,hyper=warn,tower=warn"))
+}
+
 fn init_tracing(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,kube=warn,hyper=warn,tower=warn"));
-    let fmt = tracing_subscriber::fmt().with_env_filter(filter);
+    let fmt = tracing_subscriber::fmt()
+        .with_env_filter(filter())
+        .with_ansi(std::io::stdout().is_terminal());
     match format {
         LogFormat::Text => fmt.init(),
         LogFormat::Json => fmt.json().init(),
     }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Local(args)) => run_local(args),
+        None => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .context("starting the tokio runtime")?
+            .block_on(run_controller(cli.controller)),
+    }
+}
+
+/// The local runtime. A current-thread Tokio runtime: member processes are started from
+/// this thread, which lives as long as the process (see `local::process`).
+fn run_local(args: LocalArgs) -> anyhow::Result<()> {
+    let manifest = local::load(&args.file)?;
+    let log_dir = args
+        .log_dir
+        .clone()
+        .unwrap_or_else(|| local::default_log_dir(manifest.name()));
+    let live = matches!(args.log_format, LogFormat::Text) && std::io::stdout().is_terminal();
+    if live {
+        // The terminal shows the live status; log lines go to a file beside the members'.
+        std::fs::create_dir_all(&log_dir)
+            .with_context(|| format!("creating {}", log_dir.display()))?;
+        let path = log_dir.join("runtime.log");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        tracing_subscriber::fmt()
+            .with_env_filter(filter())
+            .with_ansi(false)
+            .with_writer(std::sync::Mutex::new(file))
+            .init();
+    } else {
+        init_tracing(args.log_format);
+    }
+    let opts = local::Options {
+        file: args.file,
+        host: args.host,
+        port: args.port,
+        dataplane: args.dataplane.unwrap_or_else(local::default_dataplane),
+        log_dir,
+        grace: Duration::from_secs(args.grace_period_seconds),
+        live,
+    };
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?
+        .block_on(local::run(opts, manifest))?;
+    Ok(())
 }
 
 async fn shutdown_signal() {
@@ -82,9 +193,7 @@ async fn shutdown_signal() {
     }
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+async fn run_controller(args: ControllerArgs) -> anyhow::Result<()> {
     init_tracing(args.log_format);
 
     let client = Client::try_default()

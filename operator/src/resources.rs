@@ -29,6 +29,8 @@ use crate::planner::{PodIntent, Role};
 pub const CONTAINER: &str = "dataplane";
 /// Key of the group key inside the group Secret.
 pub const SECRET_KEY: &str = "key";
+/// Environment variable that carries the group key into the dataplane.
+pub const GROUP_KEY_ENV: &str = "TANDEM_GROUP_KEY";
 /// Name of the model volume.
 const MODEL_VOLUME: &str = "model";
 const HTTP_PORT_NAME: &str = "http";
@@ -238,31 +240,54 @@ pub fn container_security_context(tpl: &PodTemplate) -> SecurityContext {
     sc
 }
 
-/// The pod for one planned member. The image's entrypoint must be the dataplane binary;
-/// the operator only supplies its arguments.
-pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
-    let deployment = pdd.name_any();
-    let ns = namespace(pdd)?;
+/// How a dataplane process is reached and how it reaches its peers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DataplaneNetwork {
+    /// `--host`: `None` keeps the dataplane's default (every interface), as in a pod.
+    pub host: Option<String>,
+    pub http_port: i32,
+    pub kv_port: i32,
+    /// A decode's prefill KV endpoints in replica order (unused for a prefill).
+    pub prefill_peers: Vec<String>,
+}
+
+impl DataplaneNetwork {
+    /// A pod's network: the spec's ports on every interface, and the prefill pods' DNS
+    /// names under the group's headless Service.
+    pub fn in_cluster(deployment: &str, namespace: &str, intent: &PodIntent) -> Self {
+        let t = &intent.template;
+        Self {
+            host: None,
+            http_port: t.transfer.http_port,
+            kv_port: t.transfer.kv_port,
+            prefill_peers: prefill_peers(deployment, namespace, intent.group, t),
+        }
+    }
+}
+
+/// Command-line arguments and environment of one dataplane member.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DataplaneInvocation {
+    pub args: Vec<String>,
+    /// In Kubernetes form: the group key comes from the group Secret and the pod's name
+    /// and namespace from field references; the local runtime resolves these the way the
+    /// kubelet does.
+    pub env: Vec<EnvVar>,
+}
+
+/// The dataplane arguments and environment of a planned member: the one definition both
+/// executors use (the controller puts them in the pod's container, the local runtime
+/// starts a process with them), so a member is configured the same way everywhere.
+pub fn dataplane_invocation(
+    deployment: &str,
+    intent: &PodIntent,
+    net: &DataplaneNetwork,
+) -> DataplaneInvocation {
     let t = &intent.template;
     let role_spec = match intent.role {
         Role::Prefill => &t.prefill,
         Role::Decode => &t.decode,
     };
-    let tpl = &role_spec.template;
-
-    // User labels first: the operator's own labels win on conflict.
-    let mut pod_labels = tpl.labels.clone();
-    pod_labels.extend(group_labels(&deployment, intent.group));
-    pod_labels.insert(labels::ROLE.into(), intent.role.as_str().into());
-    pod_labels.insert(labels::REVISION.into(), intent.revision.clone());
-    pod_labels.insert(labels::INCARNATION.into(), intent.incarnation.to_string());
-
-    let mut metadata = meta(pdd, intent.name.clone(), pod_labels)?;
-    if !tpl.annotations.is_empty() {
-        metadata.annotations = Some(tpl.annotations.clone());
-    }
-
-    let peers = prefill_peers(&deployment, &ns, intent.group, t);
     let mut args = vec![
         "--role".to_string(),
         intent.role.as_str().to_string(),
@@ -270,14 +295,21 @@ pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
         t.model.path.clone(),
         "--served-model-name".to_string(),
         t.model.name.clone(),
-        "--port".to_string(),
-        t.transfer.http_port.to_string(),
-        "--kv-port".to_string(),
-        t.transfer.kv_port.to_string(),
     ];
+    if let Some(host) = &net.host {
+        args.push("--host".to_string());
+        args.push(host.clone());
+    }
+    args.extend([
+        "--port".to_string(),
+        net.http_port.to_string(),
+        "--kv-port".to_string(),
+        net.kv_port.to_string(),
+    ]);
+    let peers = net.prefill_peers.join(",");
     if intent.role == Role::Decode {
         args.push("--prefill".to_string());
-        args.push(peers.join(","));
+        args.push(peers.clone());
     }
     args.extend(role_spec.args.iter().cloned());
 
@@ -287,14 +319,14 @@ pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
         env_value("TANDEM_GROUP_INCARNATION", intent.incarnation.to_string()),
     ];
     if intent.role == Role::Decode {
-        env.push(env_value("TANDEM_PREFILL_PEERS", peers.join(",")));
+        env.push(env_value("TANDEM_PREFILL_PEERS", peers));
     }
     env.extend([
         EnvVar {
-            name: "TANDEM_GROUP_KEY".into(),
+            name: GROUP_KEY_ENV.into(),
             value_from: Some(EnvVarSource {
                 secret_key_ref: Some(SecretKeySelector {
-                    name: names::group_secret_name(&deployment, intent.group),
+                    name: names::group_secret_name(deployment, intent.group),
                     key: SECRET_KEY.into(),
                     optional: Some(false),
                 }),
@@ -324,7 +356,46 @@ pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
     // User variables come after ours; one that reuses an operator name is dropped (the
     // operator's value wins, and server-side apply rejects duplicate names).
     let ours: Vec<String> = env.iter().map(|e| e.name.clone()).collect();
-    env.extend(tpl.env.iter().filter(|e| !ours.contains(&e.name)).cloned());
+    env.extend(
+        role_spec
+            .template
+            .env
+            .iter()
+            .filter(|e| !ours.contains(&e.name))
+            .cloned(),
+    );
+    DataplaneInvocation { args, env }
+}
+
+/// The pod for one planned member. The image's entrypoint must be the dataplane binary;
+/// the operator only supplies its arguments.
+pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
+    let deployment = pdd.name_any();
+    let ns = namespace(pdd)?;
+    let t = &intent.template;
+    let role_spec = match intent.role {
+        Role::Prefill => &t.prefill,
+        Role::Decode => &t.decode,
+    };
+    let tpl = &role_spec.template;
+
+    // User labels first: the operator's own labels win on conflict.
+    let mut pod_labels = tpl.labels.clone();
+    pod_labels.extend(group_labels(&deployment, intent.group));
+    pod_labels.insert(labels::ROLE.into(), intent.role.as_str().into());
+    pod_labels.insert(labels::REVISION.into(), intent.revision.clone());
+    pod_labels.insert(labels::INCARNATION.into(), intent.incarnation.to_string());
+
+    let mut metadata = meta(pdd, intent.name.clone(), pod_labels)?;
+    if !tpl.annotations.is_empty() {
+        metadata.annotations = Some(tpl.annotations.clone());
+    }
+
+    let DataplaneInvocation { args, env } = dataplane_invocation(
+        &deployment,
+        intent,
+        &DataplaneNetwork::in_cluster(&deployment, &ns, intent),
+    );
 
     let mut ports = vec![ContainerPort {
         name: Some(HTTP_PORT_NAME.into()),
@@ -761,6 +832,59 @@ mod tests {
             .map(|e| e.name.as_str())
             .collect();
         assert_eq!(names.iter().filter(|n| **n == "TANDEM_ROLE").count(), 1);
+    }
+
+    #[test]
+    fn the_invocation_takes_its_network_from_the_executor() {
+        let p = pdd(testutil::spec(3));
+        let i = intent(&p, Role::Decode, 0);
+        // The pod's: no --host, the spec's ports, the prefills' DNS names.
+        let pod = pod(&p, &i).unwrap();
+        let c = &pod.spec.unwrap().containers[0];
+        let cluster =
+            dataplane_invocation("demo", &i, &DataplaneNetwork::in_cluster("demo", "ns1", &i));
+        assert_eq!(c.args.as_ref(), Some(&cluster.args));
+        assert_eq!(c.env.as_ref(), Some(&cluster.env));
+        assert!(!cluster.args.contains(&"--host".to_string()));
+        // The local runtime's: loopback, its own ports, the prefills' loopback addresses;
+        // everything else the same.
+        let local = dataplane_invocation(
+            "demo",
+            &i,
+            &DataplaneNetwork {
+                host: Some("127.0.0.1".into()),
+                http_port: 41000,
+                kv_port: 41001,
+                prefill_peers: vec!["127.0.0.1:42001".into()],
+            },
+        );
+        assert_eq!(
+            local.args,
+            [
+                "--role",
+                "decode",
+                "--model",
+                "/models/smollm2.gguf",
+                "--served-model-name",
+                "smollm2",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "41000",
+                "--kv-port",
+                "41001",
+                "--prefill",
+                "127.0.0.1:42001"
+            ]
+        );
+        let names = |e: &[EnvVar]| e.iter().map(|v| v.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&local.env), names(&cluster.env));
+        let peers = local
+            .env
+            .iter()
+            .find(|e| e.name == "TANDEM_PREFILL_PEERS")
+            .unwrap();
+        assert_eq!(peers.value.as_deref(), Some("127.0.0.1:42001"));
     }
 
     #[test]

@@ -1,0 +1,661 @@
+//! The local executor: carries out the planner's actions with processes instead of pods,
+//! and keeps the bookkeeping the planner observes on the next reconcile.
+//!
+//! | planner action | on Kubernetes (controller) | here |
+//! | --- | --- | --- |
+//! | `CreatePod` | server-side apply of the pod | start a `tandem-dataplane` process with the same args and env ([`crate::resources::dataplane_invocation`]), on free loopback ports |
+//! | `DeletePod` | delete (kubelet: SIGTERM, SIGKILL after the grace period) | SIGTERM, SIGKILL after the grace period; an exited process is removed at once |
+//! | `SetGroupReadyGate` | patch the pod's `tandem.dev/group-ready` condition | add to / remove from the local router |
+//! | `CreateGroupSecret` | create the Secret with a random key | keep a random key in memory, given to the group's members |
+//! | `ApplyClientService` | apply the client Service | the router is already listening: recorded |
+//! | `ApplyGroupService`, `ApplyNetworkPolicy` | apply | nothing to do on loopback: recorded |
+//! | `DeleteGroupResources` | delete the three objects | forget the key and the records |
+//! | `Event` | publish a Kubernetes Event | a line in the record and the log |
+//!
+//! No decision is made here: the order of deletes and creates is the planner's.
+//! Processes are started and signalled through [`Processes`], so the bookkeeping is tested
+//! without real processes.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use nix::sys::signal::Signal;
+use serde::Serialize;
+use tracing::{info, warn};
+
+use super::env::{self, PodFacts};
+use super::member::{Exit, Member, ProbeOutcome, Readiness, Termination};
+use crate::names;
+use crate::planner::{
+    DeleteReason, EventKind, Observed, PlannedAction, PlannedEvent, PodIntent, Role,
+};
+use crate::resources::{self, DataplaneNetwork};
+
+/// Starting and signalling processes (real ones in [`super::process`]).
+pub trait Processes {
+    /// `n` distinct free TCP ports on the loopback interface.
+    fn free_ports(&mut self, n: usize) -> Result<Vec<u16>, String>;
+    /// Start a member; its exit and probe results come back to the runtime as messages.
+    fn spawn(&mut self, launch: &Launch) -> Result<u32, String>;
+    /// Send `signal` to the member's process, unless it has exited.
+    fn signal(&mut self, pod: &str, signal: Signal);
+}
+
+/// Everything needed to start one member process.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Launch {
+    pub pod: String,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub log: PathBuf,
+    /// Where its `/ready` is probed, and how often once it has been ready.
+    pub http: SocketAddr,
+    pub probe_period: Duration,
+}
+
+/// A decode the router may send traffic to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Endpoint {
+    pub pod: String,
+    pub group: i32,
+    pub incarnation: i64,
+    pub addr: SocketAddr,
+}
+
+/// What a record entry is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum EntryKind {
+    /// A planner event (co-restart, phase change, scale-down).
+    Event,
+    Started,
+    /// SIGTERM sent for a planned delete.
+    Terminating,
+    /// SIGKILL sent (grace period over, or no start within the startup allowance).
+    Killed,
+    Exited,
+    /// An exited process deleted by the planner.
+    Removed,
+    Ready,
+    NotReady,
+    GateOpened,
+    GateClosed,
+    /// A group object (key, bootstrap addresses, client endpoint) made or removed.
+    Object,
+    /// The manifest was reloaded (or could not be).
+    Spec,
+    /// An action could not be carried out.
+    Failed,
+}
+
+/// One line of the runtime's record: the observable history of what it did, in order.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Entry {
+    pub seq: u64,
+    pub time: Timestamp,
+    pub kind: EntryKind,
+    pub warning: bool,
+    /// -1 when not about one group.
+    pub group: i32,
+    pub pod: Option<String>,
+    /// A planner Event's reason (`MemberFailed`, `GroupPhaseChanged`, …), else empty.
+    pub reason: String,
+    pub message: String,
+}
+
+/// The newest entries, oldest first.
+#[derive(Debug, Default)]
+pub struct Record {
+    next: u64,
+    entries: VecDeque<Entry>,
+}
+
+const RECORD_CAPACITY: usize = 2000;
+
+impl Record {
+    #[allow(clippy::too_many_arguments)]
+    pub fn push(
+        &mut self,
+        time: Timestamp,
+        kind: EntryKind,
+        warning: bool,
+        group: i32,
+        pod: Option<&str>,
+        reason: &str,
+        message: String,
+    ) {
+        let entry = Entry {
+            seq: self.next,
+            time,
+            kind,
+            warning,
+            group,
+            pod: pod.map(str::to_string),
+            reason: reason.to_string(),
+            message,
+        };
+        self.next += 1;
+        // Only the fields that are set appear on the log line.
+        let pod = entry.pod.as_deref();
+        let group = (group >= 0).then_some(group);
+        let reason = (!reason.is_empty()).then_some(reason);
+        if warning {
+            warn!(kind = ?entry.kind, group, pod, reason, "{}", entry.message);
+        } else {
+            info!(kind = ?entry.kind, group, pod, reason, "{}", entry.message);
+        }
+        if self.entries.len() == RECORD_CAPACITY {
+            self.entries.pop_front();
+        }
+        self.entries.push_back(entry);
+    }
+
+    pub fn entries(&self) -> impl DoubleEndedIterator<Item = &Entry> + ExactSizeIterator {
+        self.entries.iter()
+    }
+}
+
+/// The objects that stand in for a group's Service, NetworkPolicy and Secret.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct LocalObjects {
+    pub client_service: bool,
+    pub group_services: BTreeSet<i32>,
+    pub network_policies: BTreeSet<i32>,
+    /// Group → key.
+    pub keys: BTreeMap<i32, String>,
+}
+
+/// How the executor runs members.
+#[derive(Debug, Clone)]
+pub struct ExecutorConfig {
+    pub deployment: String,
+    pub namespace: String,
+    /// Loopback address the members bind to.
+    pub host: IpAddr,
+    /// SIGTERM → SIGKILL delay of a planned delete.
+    pub grace: Duration,
+    pub log_dir: PathBuf,
+}
+
+pub struct Executor<P> {
+    pub config: ExecutorConfig,
+    pub members: BTreeMap<String, Member>,
+    pub objects: LocalObjects,
+    pub record: Record,
+    pub processes: P,
+}
+
+fn after(t: Timestamp, d: Duration) -> Timestamp {
+    t.checked_add(SignedDuration::try_from(d).unwrap_or(SignedDuration::MAX))
+        .unwrap_or(Timestamp::MAX)
+}
+
+/// How long a member may take before its HTTP server answers.
+fn startup_allowance(m: &Member) -> Duration {
+    Duration::from_secs(m.health.startup_timeout_seconds.max(1) as u64)
+}
+
+fn delete_reason(r: DeleteReason) -> String {
+    match r {
+        DeleteReason::CoRestart(reason) => format!("co-restart ({reason})"),
+        DeleteReason::ScaleDown => "scale-down".into(),
+    }
+}
+
+impl<P: Processes> Executor<P> {
+    pub fn new(config: ExecutorConfig, processes: P) -> Self {
+        Self {
+            config,
+            members: BTreeMap::new(),
+            objects: LocalObjects::default(),
+            record: Record::default(),
+            processes,
+        }
+    }
+
+    /// The cluster as the planner sees it.
+    pub fn observed(&self) -> Observed {
+        Observed {
+            pods: self.members.values().map(Member::observe).collect(),
+            client_service: self.objects.client_service,
+            group_services: self.objects.group_services.clone(),
+            network_policies: self.objects.network_policies.clone(),
+            group_secrets: self.objects.keys.keys().copied().collect(),
+        }
+    }
+
+    /// Decodes the router may use.
+    pub fn endpoints(&self) -> Vec<Endpoint> {
+        self.members
+            .values()
+            .filter(|m| m.serving())
+            .map(|m| Endpoint {
+                pod: m.name.clone(),
+                group: m.group,
+                incarnation: m.incarnation,
+                addr: m.http,
+            })
+            .collect()
+    }
+
+    /// Carry out one action. An error leaves the state as it was (the next reconcile
+    /// plans the action again).
+    pub fn execute(&mut self, action: &PlannedAction, now: Timestamp) -> Result<(), String> {
+        let o = &mut self.objects;
+        match action {
+            PlannedAction::ApplyClientService => {
+                o.client_service = true;
+            }
+            PlannedAction::ApplyGroupService { group } => {
+                o.group_services.insert(*group);
+            }
+            PlannedAction::ApplyNetworkPolicy { group } => {
+                o.network_policies.insert(*group);
+            }
+            PlannedAction::CreateGroupSecret { group } => {
+                // Never overwrite a key: members may be using it.
+                if !o.keys.contains_key(group) {
+                    o.keys.insert(*group, resources::random_group_key());
+                    self.record.push(
+                        now,
+                        EntryKind::Object,
+                        false,
+                        *group,
+                        None,
+                        "",
+                        format!("group {group}: generated its group key"),
+                    );
+                }
+            }
+            PlannedAction::DeleteGroupResources { group } => {
+                o.group_services.remove(group);
+                o.network_policies.remove(group);
+                if o.keys.remove(group).is_some() {
+                    self.record.push(
+                        now,
+                        EntryKind::Object,
+                        false,
+                        *group,
+                        None,
+                        "",
+                        format!("group {group}: removed its group key"),
+                    );
+                }
+            }
+            PlannedAction::CreatePod(intent) => self.create(intent, now)?,
+            PlannedAction::DeletePod {
+                name, role, reason, ..
+            } => self.delete(name, *role, &delete_reason(*reason), now),
+            PlannedAction::SetGroupReadyGate { pod, ready } => {
+                if let Some(m) = self.members.get_mut(pod)
+                    && m.gate != *ready
+                {
+                    m.gate = *ready;
+                    let (kind, what) = if *ready {
+                        (EntryKind::GateOpened, "in the router: its group is Ready")
+                    } else {
+                        (
+                            EntryKind::GateClosed,
+                            "out of the router: its group is not Ready",
+                        )
+                    };
+                    let (g, msg) = (m.group, format!("{pod}: {what}"));
+                    self.record.push(now, kind, !*ready, g, Some(pod), "", msg);
+                }
+            }
+            PlannedAction::Event(PlannedEvent {
+                type_,
+                reason,
+                group,
+                message,
+            }) => {
+                let warning = *type_ == EventKind::Warning;
+                self.record.push(
+                    now,
+                    EntryKind::Event,
+                    warning,
+                    *group,
+                    None,
+                    reason,
+                    message.clone(),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn create(&mut self, intent: &PodIntent, now: Timestamp) -> Result<(), String> {
+        if self.members.contains_key(&intent.name) {
+            return Ok(());
+        }
+        let cfg = &self.config;
+        let host = cfg.host;
+        let peers = match intent.role {
+            Role::Prefill => Vec::new(),
+            Role::Decode => (0..intent.template.prefill.replicas.max(1))
+                .map(|k| {
+                    let p = names::pod_name(
+                        &cfg.deployment,
+                        intent.group,
+                        intent.incarnation,
+                        Role::Prefill,
+                        k,
+                    );
+                    self.members
+                        .get(&p)
+                        .filter(|m| m.alive())
+                        .map(|m| SocketAddr::new(host, m.kv_port).to_string())
+                        .ok_or_else(|| format!("{}: its prefill {p} is not running", intent.name))
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        };
+        let ports = self.processes.free_ports(2)?;
+        let (http_port, kv_port) = (ports[0], ports[1]);
+        let net = DataplaneNetwork {
+            host: Some(host.to_string()),
+            http_port: i32::from(http_port),
+            kv_port: i32::from(kv_port),
+            prefill_peers: peers,
+        };
+        let inv = resources::dataplane_invocation(&cfg.deployment, intent, &net);
+        let secrets: BTreeMap<String, String> = self
+            .objects
+            .keys
+            .iter()
+            .map(|(g, k)| (names::group_secret_name(&cfg.deployment, *g), k.clone()))
+            .collect();
+        let env = env::resolve(
+            &inv.env,
+            PodFacts {
+                name: &intent.name,
+                namespace: &cfg.namespace,
+            },
+            &secrets,
+        )?;
+        let health = intent.template.health.clone();
+        let launch = Launch {
+            pod: intent.name.clone(),
+            args: inv.args,
+            env,
+            log: cfg.log_dir.join(format!("{}.log", intent.name)),
+            http: SocketAddr::new(host, http_port),
+            probe_period: Duration::from_secs(health.probe_period_seconds.max(1) as u64),
+        };
+        let pid = self.processes.spawn(&launch)?;
+        let member = Member {
+            name: intent.name.clone(),
+            group: intent.group,
+            role: intent.role,
+            index: intent.index,
+            incarnation: intent.incarnation,
+            revision: intent.revision.clone(),
+            pid,
+            http: launch.http,
+            kv_port,
+            started: now,
+            health,
+            readiness: Readiness::new(now),
+            exit: None,
+            terminating: None,
+            startup_failure: None,
+            gate: false,
+            log: launch.log.clone(),
+        };
+        self.record.push(
+            now,
+            EntryKind::Started,
+            false,
+            intent.group,
+            Some(&intent.name),
+            "",
+            format!(
+                "started {} {} (pid {pid}, incarnation {}, http {}, kv port {kv_port}); log {}",
+                intent.role.as_str(),
+                intent.name,
+                intent.incarnation,
+                launch.http,
+                launch.log.display()
+            ),
+        );
+        self.members.insert(intent.name.clone(), member);
+        Ok(())
+    }
+
+    fn delete(&mut self, pod: &str, role: Role, why: &str, now: Timestamp) {
+        let Some(m) = self.members.get_mut(pod) else {
+            return;
+        };
+        let group = m.group;
+        if let Some(e) = &m.exit {
+            let msg = format!(
+                "removed {} {pod} ({why}); it had exited: {}",
+                role.as_str(),
+                e.how
+            );
+            self.members.remove(pod);
+            self.record
+                .push(now, EntryKind::Removed, false, group, Some(pod), "", msg);
+            return;
+        }
+        if m.terminating.is_some() {
+            return;
+        }
+        self.processes.signal(pod, Signal::SIGTERM);
+        let grace = self.config.grace;
+        m.terminating = Some(Termination {
+            since: now,
+            kill_at: after(now, grace),
+            killed: false,
+            reason: why.to_string(),
+        });
+        let msg = format!(
+            "SIGTERM to {} {pod} (pid {}) for {why}; SIGKILL after {}s if still running",
+            role.as_str(),
+            m.pid,
+            grace.as_secs()
+        );
+        self.record.push(
+            now,
+            EntryKind::Terminating,
+            false,
+            group,
+            Some(pod),
+            "",
+            msg,
+        );
+    }
+
+    /// Stop every running member of `role` as a planned delete would (shutdown).
+    pub fn terminate_role(&mut self, role: Role, why: &str, now: Timestamp) {
+        let pods: Vec<String> = self
+            .members
+            .values()
+            .filter(|m| m.role == role && m.alive())
+            .map(|m| m.name.clone())
+            .collect();
+        for p in pods {
+            self.delete(&p, role, why, now);
+        }
+    }
+
+    /// SIGKILL every process still running (a second Ctrl-C, or the end of shutdown).
+    pub fn kill_all(&mut self, why: &str, now: Timestamp) {
+        for m in self.members.values_mut().filter(|m| m.alive()) {
+            self.processes.signal(&m.name, Signal::SIGKILL);
+            if let Some(t) = &mut m.terminating {
+                t.killed = true;
+            }
+            self.record.push(
+                now,
+                EntryKind::Killed,
+                true,
+                m.group,
+                Some(&m.name),
+                "",
+                format!("SIGKILL to {} (pid {}): {why}", m.name, m.pid),
+            );
+        }
+    }
+
+    pub fn running(&self) -> usize {
+        self.members.values().filter(|m| m.alive()).count()
+    }
+
+    pub fn running_of(&self, role: Role) -> usize {
+        self.members
+            .values()
+            .filter(|m| m.alive() && m.role == role)
+            .count()
+    }
+
+    /// A member's process ended. `last_log` is the last line it wrote, for the record.
+    pub fn on_exit(
+        &mut self,
+        pod: &str,
+        how: String,
+        success: bool,
+        last_log: Option<String>,
+        now: Timestamp,
+    ) {
+        let Some(m) = self.members.get_mut(pod) else {
+            return;
+        };
+        let group = m.group;
+        let tail = last_log
+            .filter(|l| !l.is_empty())
+            .map(|l| format!("; last log line: {l}"))
+            .unwrap_or_default();
+        if let Some(t) = &m.terminating {
+            let took = now.duration_since(t.since).as_secs_f64();
+            let msg = format!(
+                "{} {pod} (pid {}) exited {took:.1}s after SIGTERM ({}): {how}",
+                m.role.as_str(),
+                m.pid,
+                t.reason
+            );
+            self.members.remove(pod);
+            self.record
+                .push(now, EntryKind::Exited, false, group, Some(pod), "", msg);
+            return;
+        }
+        let how = match &m.startup_failure {
+            Some(f) => format!("{how}: {f}"),
+            None => how,
+        };
+        let msg = format!(
+            "{} {pod} (pid {}) exited on its own: {how}; log {}{tail}",
+            m.role.as_str(),
+            m.pid,
+            m.log.display()
+        );
+        m.exit = Some(Exit {
+            at: now,
+            how,
+            success,
+        });
+        self.record
+            .push(now, EntryKind::Exited, true, group, Some(pod), "", msg);
+    }
+
+    /// A probe result; returns true when the member's readiness changed.
+    pub fn on_probe(&mut self, pod: &str, outcome: ProbeOutcome, now: Timestamp) -> bool {
+        let Some(m) = self.members.get_mut(pod) else {
+            return false;
+        };
+        if !m.alive() || m.terminating.is_some() {
+            return false;
+        }
+        let threshold = m.health.failure_threshold;
+        if !m.readiness.record(outcome, threshold, now) {
+            return false;
+        }
+        let (kind, msg) = if m.readiness.ready {
+            (
+                EntryKind::Ready,
+                format!(
+                    "{} {pod} is ready ({:.1}s after start)",
+                    m.role.as_str(),
+                    now.duration_since(m.started).as_secs_f64()
+                ),
+            )
+        } else {
+            (
+                EntryKind::NotReady,
+                format!(
+                    "{} {pod} is not ready after {threshold} failed probe(s): {}",
+                    m.role.as_str(),
+                    m.readiness.detail
+                ),
+            )
+        };
+        let (g, warning) = (m.group, !m.readiness.ready);
+        self.record.push(now, kind, warning, g, Some(pod), "", msg);
+        true
+    }
+
+    /// Send the SIGKILLs that are due: a planned delete past its grace period, and a
+    /// process whose HTTP server has not answered within its `health.startupTimeoutSeconds`
+    /// (the startup probe's limit on a cluster; it then reads as Failed). Loading the
+    /// model within that time is never taken for a failure.
+    pub fn enforce_deadlines(&mut self, now: Timestamp) {
+        for m in self.members.values_mut().filter(|m| m.alive()) {
+            let allowance = startup_allowance(m);
+            let mut kill = None;
+            if let Some(t) = &mut m.terminating {
+                if !t.killed && t.kill_at <= now {
+                    t.killed = true;
+                    kill = Some(format!(
+                        "grace period over: SIGKILL to {} (pid {}), still running {:.0}s after SIGTERM",
+                        m.name,
+                        m.pid,
+                        now.duration_since(t.since).as_secs_f64()
+                    ));
+                }
+            } else if !m.readiness.answered
+                && m.startup_failure.is_none()
+                && after(m.started, allowance) <= now
+            {
+                let why = format!(
+                    "its HTTP server did not answer within health.startupTimeoutSeconds ({}s)",
+                    allowance.as_secs()
+                );
+                kill = Some(format!("SIGKILL to {} (pid {}): {why}", m.name, m.pid));
+                m.startup_failure = Some(why);
+            }
+            if let Some(msg) = kill {
+                self.processes.signal(&m.name, Signal::SIGKILL);
+                self.record.push(
+                    now,
+                    EntryKind::Killed,
+                    true,
+                    m.group,
+                    Some(&m.name),
+                    "",
+                    msg,
+                );
+            }
+        }
+    }
+
+    /// The next time [`Self::enforce_deadlines`] has something to do.
+    pub fn next_deadline(&self) -> Option<Timestamp> {
+        self.members
+            .values()
+            .filter(|m| m.alive())
+            .filter_map(|m| match &m.terminating {
+                Some(t) if !t.killed => Some(t.kill_at),
+                Some(_) => None,
+                None if !m.readiness.answered && m.startup_failure.is_none() => {
+                    Some(after(m.started, startup_allowance(m)))
+                }
+                None => None,
+            })
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests;

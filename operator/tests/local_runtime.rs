@@ -1,0 +1,798 @@
+//! The local runtime end to end: the real `tandem-operator local` binary running the
+//! example manifest (`manifests/examples/smollm2-local.yaml`, with short probe periods and
+//! windows so the tests take seconds), real `tandem-dataplane` processes serving the real
+//! model, real HTTP. Faults are real signals sent by PID; "no process left" is checked by
+//! PID and process group.
+//!
+//! Needs `target/<profile>/tandem-dataplane` next to the operator binary, built from the
+//! current sources (`make test` builds it first; so does `cargo test --workspace`).
+//! The tests run one at a time: each starts two model processes, and two cores are not
+//! enough to run several runtimes side by side with one-second probes.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime};
+
+use nix::errno::Errno;
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Probe period, failure threshold and not-ready window of the test spec.
+const PROBE_PERIOD: u64 = 1;
+const FAILURE_THRESHOLD: u64 = 3;
+const WINDOW: u64 = 4;
+/// The runtime's SIGTERM → SIGKILL delay in these tests.
+const GRACE: u64 = 3;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+fn model() -> PathBuf {
+    let dir = std::env::var_os("TANDEM_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join(".cache/models"));
+    let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.is_file(),
+        "model {} not found: run `make model`",
+        p.display()
+    );
+    p
+}
+
+fn newest_source(dir: &Path) -> SystemTime {
+    let mut newest = SystemTime::UNIX_EPOCH;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if let Ok(m) = e.metadata().and_then(|m| m.modified()) {
+                newest = newest.max(m);
+            }
+        }
+    }
+    newest
+}
+
+/// The dataplane binary of this build, refusing a missing or stale one.
+fn dataplane() -> PathBuf {
+    let operator = PathBuf::from(env!("CARGO_BIN_EXE_tandem-operator"));
+    let bin = operator.with_file_name("tandem-dataplane");
+    let built = std::fs::metadata(&bin)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|e| {
+            panic!(
+                "{} missing ({e}): run `cargo build -p tandem-dataplane --bin tandem-dataplane` (make test does)",
+                bin.display()
+            )
+        });
+    for src in ["dataplane/src", "kernels/src"] {
+        assert!(
+            newest_source(&repo().join(src)) <= built,
+            "{} is older than {src}: run `cargo build -p tandem-dataplane --bin tandem-dataplane`",
+            bin.display()
+        );
+    }
+    bin
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The example manifest with test timings, a given name and the model's absolute path.
+fn manifest(name: &str, edit: impl FnOnce(&mut serde_yaml::Value)) -> String {
+    let text = std::fs::read_to_string(repo().join("manifests/examples/smollm2-local.yaml"))
+        .expect("the example manifest");
+    let mut m: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+    m["metadata"]["name"] = name.into();
+    m["spec"]["model"]["path"] = model().to_string_lossy().into_owned().into();
+    let health: serde_yaml::Value = serde_yaml::from_str(&format!(
+        "{{probePeriodSeconds: {PROBE_PERIOD}, failureThreshold: {FAILURE_THRESHOLD}, coRestartAfterSeconds: {WINDOW}}}"
+    ))
+    .unwrap();
+    m["spec"]["health"] = health;
+    m["spec"]["restart"]["backoff"] =
+        serde_yaml::from_str("{baseSeconds: 1, maxSeconds: 10}").unwrap();
+    // Small KV caches: two of these run at once on a small machine.
+    for role in ["prefill", "decode"] {
+        m["spec"][role]["args"] = serde_yaml::from_str("[--kv-blocks, '128']").unwrap();
+    }
+    edit(&mut m);
+    serde_yaml::to_string(&m).unwrap()
+}
+
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Response {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One HTTP/1.1 request on its own connection (`Connection: close`), chunked bodies
+/// decoded. Panics when nothing comes back within `timeout`.
+fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    timeout: Duration,
+) -> Response {
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    s.set_read_timeout(Some(timeout)).unwrap();
+    let body = body.map(Value::to_string).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)
+        .unwrap_or_else(|e| panic!("{method} {path}: no complete answer within {timeout:?}: {e}"));
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a response head");
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut rest = &raw[split + 4..];
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("a status line");
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    let body = if chunked {
+        let mut out = Vec::new();
+        while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
+            let size = String::from_utf8_lossy(&rest[..eol]);
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            let data = &rest[eol + 2..];
+            out.extend_from_slice(&data[..n]);
+            rest = &data[(n + 2).min(data.len())..];
+        }
+        out
+    } else {
+        rest.to_vec()
+    };
+    let body = String::from_utf8_lossy(&body).into_owned();
+    Response {
+        status,
+        headers,
+        body,
+    }
+}
+
+fn chat_body(stream: bool) -> Value {
+    json!({
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": stream,
+    })
+}
+
+/// A process that is still there (not gone, not a zombie).
+fn alive(pid: i64) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // The state follows the parenthesised command name.
+            let state = stat.rsplit_once(')').map(|(_, r)| r.trim_start());
+            !state.is_some_and(|s| s.starts_with('Z') || s.starts_with('X'))
+        }
+        Err(_) => false,
+    }
+}
+
+/// Some process (not a zombie) is still in process group `pgid`.
+fn group_alive(pgid: i64) -> bool {
+    match killpg(Pid::from_raw(pgid as i32), None) {
+        Err(Errno::ESRCH) => false,
+        _ => std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i64>() else {
+                return false;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                return false;
+            };
+            let Some((_, rest)) = stat.rsplit_once(')') else {
+                return false;
+            };
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            // Fields after the name: state, ppid, pgrp.
+            f.len() > 2 && f[2] == pgid.to_string() && !f[0].starts_with('Z')
+        }),
+    }
+}
+
+fn signal(pid: i64, sig: Signal) {
+    kill(Pid::from_raw(pid as i32), sig).unwrap_or_else(|e| panic!("kill -{sig} {pid}: {e}"));
+}
+
+struct Local {
+    child: Child,
+    addr: SocketAddr,
+    dir: PathBuf,
+    file: PathBuf,
+    exited: Option<ExitStatus>,
+}
+
+impl Local {
+    fn start(name: &str, manifest: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "tandem-local-test-{name}-{}-{}",
+            std::process::id(),
+            SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap()
+                .as_millis()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("manifest.yaml");
+        std::fs::write(&file, manifest).unwrap();
+        let port = free_port();
+        let out = std::fs::File::create(dir.join("runtime.log")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_tandem-operator"))
+            .args(["local", "-f"])
+            .arg(&file)
+            .args(["--port", &port.to_string()])
+            .arg("--log-dir")
+            .arg(dir.join("logs"))
+            .args(["--grace-period-seconds", &GRACE.to_string()])
+            .arg("--dataplane")
+            .arg(dataplane())
+            .args(["--log-format", "json"])
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("start tandem-operator local");
+        let mut l = Self {
+            child,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            dir,
+            file,
+            exited: None,
+        };
+        l.wait_for("the group to serve", Duration::from_secs(180), |l| {
+            l.get("/ready").status == 200
+        });
+        l
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("runtime.log")).unwrap_or_default()
+    }
+
+    fn get(&self, path: &str) -> Response {
+        http(self.addr, "GET", path, None, Duration::from_secs(10))
+    }
+
+    fn status(&self) -> Value {
+        self.get("/status").json()
+    }
+
+    fn chat(&self, stream: bool) -> Response {
+        http(
+            self.addr,
+            "POST",
+            "/v1/chat/completions",
+            Some(&chat_body(stream)),
+            Duration::from_secs(120),
+        )
+    }
+
+    /// Poll `cond` every 100 ms; the elapsed time, or a panic with the runtime's log.
+    fn wait_for(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+        cond: impl Fn(&Self) -> bool,
+    ) -> Duration {
+        let start = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                self.exited = Some(st);
+                panic!(
+                    "the runtime exited ({st}) waiting for {what}; log:\n{}",
+                    self.log()
+                );
+            }
+            // The endpoint may not listen yet right after the start.
+            let ok = TcpStream::connect(self.addr).is_ok() && cond(self);
+            if ok {
+                return start.elapsed();
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "{what}: not within {timeout:?}; status:\n{}\nlog:\n{}",
+                TcpStream::connect(self.addr)
+                    .map(|_| self.get("/status").body)
+                    .unwrap_or_default(),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The members of group 0, newest incarnation last.
+    fn members(&self) -> Vec<Value> {
+        let mut m: Vec<Value> = self.status()["members"].as_array().unwrap().clone();
+        m.sort_by_key(|m| m["incarnation"].as_i64());
+        m
+    }
+
+    /// The running member of `role` at `incarnation`.
+    fn member(&self, role: &str, incarnation: i64) -> Value {
+        self.members()
+            .into_iter()
+            .find(|m| m["role"] == role && m["incarnation"] == incarnation)
+            .unwrap_or_else(|| {
+                panic!(
+                    "no {role} at incarnation {incarnation}: {}",
+                    self.get("/status").body
+                )
+            })
+    }
+
+    fn group(&self) -> Value {
+        self.status()["status"]["groupStatuses"][0].clone()
+    }
+
+    fn record(&self) -> Vec<Value> {
+        self.status()["record"].as_array().unwrap().clone()
+    }
+
+    /// Sequence number of the first record entry of `kind` about `pod`.
+    fn seq(record: &[Value], kind: &str, pod: &str) -> u64 {
+        record
+            .iter()
+            .find(|e| e["kind"] == kind && e["pod"] == pod)
+            .unwrap_or_else(|| panic!("no {kind} entry for {pod} in {record:#?}"))["seq"]
+            .as_u64()
+            .unwrap()
+    }
+
+    fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                self.exited = Some(st);
+                return st;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "the runtime did not exit within {timeout:?}; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Local {
+    fn drop(&mut self) {
+        if self.exited.is_none() && self.child.try_wait().ok().flatten().is_none() {
+            let _ = kill(Pid::from_raw(self.child.id() as i32), Signal::SIGTERM);
+            let start = Instant::now();
+            while self.child.try_wait().ok().flatten().is_none()
+                && start.elapsed() < Duration::from_secs(GRACE * 2 + 5)
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        } else {
+            eprintln!("runtime files kept in {}", self.dir.display());
+        }
+    }
+}
+
+fn pid_of(m: &Value) -> i64 {
+    m["pid"].as_i64().unwrap()
+}
+
+fn name_of(m: &Value) -> String {
+    m["name"].as_str().unwrap().to_string()
+}
+
+/// A chat answer through the local endpoint, its content.
+fn assert_chat(l: &Local) -> String {
+    let r = l.chat(false);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let content = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(!content.is_empty(), "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+    content
+}
+
+#[test]
+fn a_killed_decode_co_restarts_its_group_prefill_first_and_serving_resumes() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let l = Local::start("kill", &manifest("kill", |_| {}));
+    let p1 = l.member("prefill", 1);
+    let d1 = l.member("decode", 1);
+
+    // A chat request, and the same streamed: SSE events through the router.
+    let content = assert_chat(&l);
+    let r = l.chat(true);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-tandem-pod"), Some(name_of(&d1).as_str()));
+    assert!(
+        r.header("content-type")
+            .is_some_and(|c| c.starts_with("text/event-stream")),
+        "{:?}",
+        r.headers
+    );
+    let events: Vec<&str> = r
+        .body
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{}", r.body);
+    let streamed: String = events
+        .iter()
+        .filter(|e| **e != "[DONE]")
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(
+        streamed, content,
+        "greedy: streamed and whole answers agree"
+    );
+
+    // SIGKILL of the decode; the endpoint answers 503 (never hangs) until the group is
+    // back, then serves again.
+    signal(pid_of(&d1), Signal::SIGKILL);
+    let killed = Instant::now();
+    let mut saw_503 = false;
+    let recovery = loop {
+        let r = l.chat(false);
+        match r.status {
+            200 => break killed.elapsed(),
+            503 => {
+                let v = r.json();
+                // Until the runtime has seen the exit, the dead decode is still listed and
+                // refuses the connection; after that, no group is ready.
+                match v["error"]["code"].as_str() {
+                    Some("upstream_unreachable") => {}
+                    Some("no_ready_group") => {
+                        let msg = v["error"]["message"].as_str().unwrap();
+                        assert!(msg.contains("group 0"), "{v}");
+                        saw_503 = true;
+                    }
+                    _ => panic!("unexpected 503: {v}"),
+                }
+            }
+            // The request that raced the kill: the decode accepted and died.
+            502 if r.json()["error"]["code"] == "upstream_failed" => {}
+            s => panic!("unexpected {s}: {}", r.body),
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(120),
+            "not serving again; log:\n{}",
+            l.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    println!(
+        "local_runtime: SIGKILL of the decode → serving again after {:.2} s (co-restart, new prefill ready, new decode ready, first answer)",
+        recovery.as_secs_f64()
+    );
+    assert!(saw_503, "requests got 503 while the group was down");
+
+    let g = l.group();
+    assert_eq!(g["incarnation"], 2, "{g}");
+    assert_eq!(g["coRestarts"], 1, "{g}");
+    assert_eq!(g["lastCoRestart"]["reason"], "MemberFailed", "{g}");
+    assert_eq!(g["phase"], "Ready", "{g}");
+    let p2 = l.member("prefill", 2);
+    let d2 = l.member("decode", 2);
+    assert_eq!(l.members().len(), 2, "only the new incarnation runs");
+    assert!(!alive(pid_of(&p1)), "the old prefill is gone");
+
+    // The order, from the runtime's record.
+    let rec = l.record();
+    let (p1, d1, p2, d2) = (name_of(&p1), name_of(&d1), name_of(&p2), name_of(&d2));
+    let exited_d1 = Local::seq(&rec, "Exited", &d1);
+    let removed_d1 = Local::seq(&rec, "Removed", &d1);
+    let term_p1 = Local::seq(&rec, "Terminating", &p1);
+    let exited_p1 = Local::seq(&rec, "Exited", &p1);
+    let started_p2 = Local::seq(&rec, "Started", &p2);
+    let ready_p2 = Local::seq(&rec, "Ready", &p2);
+    let started_d2 = Local::seq(&rec, "Started", &d2);
+    let gate_d2 = Local::seq(&rec, "GateOpened", &d2);
+    let order = [
+        exited_d1, removed_d1, term_p1, exited_p1, started_p2, ready_p2, started_d2, gate_d2,
+    ];
+    assert!(
+        order.windows(2).all(|w| w[0] < w[1]),
+        "decode gone, then prefill stopped, then prefill started and ready, then decode: {order:?}\n{rec:#?}"
+    );
+    let co_restart = rec
+        .iter()
+        .find(|e| e["kind"] == "Event" && e["reason"] == "MemberFailed")
+        .expect("a MemberFailed event");
+    let seq = co_restart["seq"].as_u64().unwrap();
+    assert!(exited_d1 < seq && seq < term_p1, "{rec:#?}");
+    assert!(
+        co_restart["message"]
+            .as_str()
+            .unwrap()
+            .contains("incarnation 1 → 2"),
+        "{co_restart}"
+    );
+    // The same count the operator exports.
+    let metrics = l.get("/metrics").body;
+    assert!(
+        metrics.contains("tandem_operator_co_restarts_total{reason=\"MemberFailed\"} 1"),
+        "{metrics}"
+    );
+    assert_chat(&l);
+}
+
+#[test]
+fn a_stopped_prefill_makes_the_group_unavailable_then_co_restarts_it_after_the_window() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut l = Local::start("stop", &manifest("stop", |_| {}));
+    assert_chat(&l);
+    let p1 = l.member("prefill", 1);
+    let d1 = l.member("decode", 1);
+
+    // SIGSTOP: alive, accepts connections, answers nothing — the wedge.
+    signal(pid_of(&p1), Signal::SIGSTOP);
+    let stopped = Instant::now();
+    let d1_name = name_of(&d1);
+    l.wait_for("the decode to go not ready", Duration::from_secs(30), |l| {
+        l.members()
+            .iter()
+            .any(|m| m["name"] == d1_name.as_str() && m["readiness"]["ready"] == false)
+    });
+    // Traffic is refused at once with the reason, not left hanging on the wedged pair.
+    let asked = Instant::now();
+    let r = l.chat(false);
+    let took = asked.elapsed();
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(took < Duration::from_secs(3), "503 took {took:?}");
+    let v = r.json();
+    assert_eq!(v["error"]["code"], "no_ready_group", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.starts_with("no group is ready: group 0"), "{msg}");
+
+    // The co-restart comes after the window, not before.
+    l.wait_for("the co-restart", Duration::from_secs(60), |l| {
+        l.group()["incarnation"] == 2
+    });
+    let co_restart_after = stopped.elapsed();
+    assert!(
+        co_restart_after >= Duration::from_secs(WINDOW),
+        "co-restarted {co_restart_after:?} after SIGSTOP, window {WINDOW}s"
+    );
+    assert_eq!(l.group()["lastCoRestart"]["reason"], "MemberNotReady");
+    // The stopped prefill ignores SIGTERM until SIGKILL after the grace period.
+    let p1_name = name_of(&p1);
+    l.wait_for(
+        "the stopped prefill to be killed",
+        Duration::from_secs(GRACE + 30),
+        |l| {
+            l.record()
+                .iter()
+                .any(|e| e["kind"] == "Exited" && e["pod"] == p1_name.as_str())
+        },
+    );
+    let rec = l.record();
+    assert!(Local::seq(&rec, "Killed", &p1_name) > Local::seq(&rec, "Terminating", &p1_name));
+    assert!(Local::seq(&rec, "Exited", &d1_name) < Local::seq(&rec, "Terminating", &p1_name));
+    assert!(!alive(pid_of(&p1)));
+    let recovered = l.wait_for("serving again", Duration::from_secs(120), |l| {
+        l.get("/ready").status == 200
+    });
+    println!(
+        "local_runtime: SIGSTOP of the prefill → co-restart after {:.1} s (window {WINDOW} s), serving again {:.1} s later",
+        co_restart_after.as_secs_f64(),
+        recovered.as_secs_f64()
+    );
+    assert_chat(&l);
+
+    // SIGKILL of the runtime itself: its members die with it.
+    let members: Vec<i64> = l.members().iter().map(pid_of).collect();
+    assert_eq!(members.len(), 2);
+    for &pid in &members {
+        assert!(
+            alive(pid) && group_alive(pid),
+            "member {pid} runs in its own group"
+        );
+    }
+    signal(l.child.id() as i64, Signal::SIGKILL);
+    l.wait_exit(Duration::from_secs(5));
+    let start = Instant::now();
+    while members.iter().any(|&p| alive(p) || group_alive(p)) {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "members outlived the SIGKILLed runtime: {:?}",
+            members.iter().filter(|&&p| alive(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_spec_edit_rolls_the_group_and_an_invalid_edit_keeps_it_serving() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut l = Local::start("edit", &manifest("edit", |_| {}));
+    assert_chat(&l);
+    let p1 = name_of(&l.member("prefill", 1));
+    let d1 = name_of(&l.member("decode", 1));
+
+    // An invalid edit: named in the status, the running spec stays.
+    let bad = manifest("edit", |m| {
+        m["spec"]["health"]["probePeriodSeconds"] = 0.into();
+    });
+    std::fs::write(&l.file, bad).unwrap();
+    l.wait_for(
+        "the invalid edit to be reported",
+        Duration::from_secs(15),
+        |l| {
+            l.status()["specError"].as_str().is_some_and(|e| {
+                e.contains("spec.health.probePeriodSeconds: 0 is less than the minimum 1")
+            })
+        },
+    );
+    assert_eq!(l.status()["generation"], 1);
+    assert_chat(&l);
+    assert_eq!(l.group()["incarnation"], 1);
+
+    // A valid pod-shaping edit rolls the group: decode first down, prefill first up.
+    let good = manifest("edit", |m| {
+        m["spec"]["decode"]["args"] =
+            serde_yaml::from_str("[--kv-blocks, '128', --max-batch, '4']").unwrap();
+    });
+    std::fs::write(&l.file, good).unwrap();
+    l.wait_for("the rolled group to serve", Duration::from_secs(120), |l| {
+        let g = l.group();
+        g["incarnation"] == 2 && g["phase"] == "Ready"
+    });
+    let st = l.status();
+    assert_eq!(st["generation"], 2);
+    assert!(st["specError"].is_null(), "{}", st["specError"]);
+    assert_eq!(l.group()["lastCoRestart"]["reason"], "RevisionChanged");
+    let d2 = l.member("decode", 2);
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", pid_of(&d2))).unwrap();
+    let args: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    assert!(
+        args.windows(2).any(|w| w == ["--max-batch", "4"]),
+        "{args:?}"
+    );
+    let p2 = name_of(&l.member("prefill", 2));
+    let rec = l.record();
+    let order = [
+        Local::seq(&rec, "Terminating", &d1),
+        Local::seq(&rec, "Exited", &d1),
+        Local::seq(&rec, "Terminating", &p1),
+        Local::seq(&rec, "Exited", &p1),
+        Local::seq(&rec, "Started", &p2),
+        Local::seq(&rec, "Started", &name_of(&d2)),
+    ];
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}\n{rec:#?}");
+    assert_chat(&l);
+
+    // SIGTERM of the runtime: every member stops, the runtime exits 0.
+    let members: Vec<i64> = l.members().iter().map(pid_of).collect();
+    signal(l.child.id() as i64, Signal::SIGTERM);
+    let st = l.wait_exit(Duration::from_secs(GRACE * 2 + 10));
+    assert!(st.success(), "exit status {st}; log:\n{}", l.log());
+    for p in members {
+        assert!(
+            !alive(p) && !group_alive(p),
+            "member {p} outlived the runtime"
+        );
+    }
+    let log = l.log();
+    assert!(log.contains("every member has exited"), "{log}");
+}
+
+#[test]
+fn a_manifest_a_cluster_would_refuse_is_refused_before_anything_starts() {
+    let dir = std::env::temp_dir().join(format!("tandem-local-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("m.yaml");
+    let cases = [
+        (
+            manifest("llama-3.1-8b", |_| {}),
+            "metadata.name \"llama-3.1-8b\": '.' is not allowed",
+        ),
+        (
+            manifest("ok", |m| m["spec"]["groups"] = (-1).into()),
+            "spec.groups: -1 is less than the minimum 0",
+        ),
+        (
+            manifest("ok", |m| {
+                m["spec"]["model"]["path"] = "/nowhere/m.gguf".into()
+            }),
+            "spec.model.path: no model file \"/nowhere/m.gguf\"",
+        ),
+    ];
+    for (text, want) in cases {
+        std::fs::write(&file, text).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_tandem-operator"))
+            .args(["local", "-f"])
+            .arg(&file)
+            .args(["--port", "0"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains(want), "{want:?} not in {err}");
+        assert!(
+            err.contains(&file.display().to_string()),
+            "names the file: {err}"
+        );
+    }
+    std::fs::write(&file, manifest("ok", |_| {})).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem-operator"))
+        .args(["local", "-f"])
+        .arg(&file)
+        .args(["--port", "0", "--dataplane", "/nowhere/tandem-dataplane"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("/nowhere/tandem-dataplane")
+            && err.contains("cargo build --release -p tandem-dataplane"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
