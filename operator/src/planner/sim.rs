@@ -175,14 +175,26 @@ impl Sim {
                     );
                 }
             }
-            // I5: policy None deletes nothing on its own initiative.
+            // I5: policy None deletes nothing on its own initiative: only pods whose group
+            // is no longer wanted. Judged from the pod itself and the spec, not from the
+            // reason the planner gives (which would let a mislabelled deletion through).
             PlannedAction::DeletePod { name, reason, .. }
                 if self.spec.restart.policy == RestartPolicy::None =>
             {
+                let pod = self
+                    .pods
+                    .get(name)
+                    .unwrap_or_else(|| panic!("I5: deletion of unknown pod {name}"));
+                assert!(
+                    pod.group >= self.spec.groups,
+                    "I5: policy None deleted {name} of group {} while spec.groups is {} ({reason:?})",
+                    pod.group,
+                    self.spec.groups
+                );
                 assert_eq!(
                     *reason,
                     DeleteReason::ScaleDown,
-                    "I5: policy None deleted {name}"
+                    "I5: {name}: a scale-down deletion is reported as such"
                 );
             }
             _ => {}
