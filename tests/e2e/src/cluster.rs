@@ -197,7 +197,7 @@ impl Cluster {
                 format!("--tls-private-key-file={}", pki.serving_key.display()),
                 format!("--client-ca-file={}", pki.ca_cert.display()),
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
-                format!("--service-account-key-file={}", pki.sa_key.display()),
+                format!("--service-account-key-file={}", pki.sa_pub.display()),
                 format!(
                     "--service-account-signing-key-file={}",
                     pki.sa_key.display()
@@ -229,27 +229,31 @@ impl Cluster {
             "default",
         )?;
         let client = client_from(&admin_kubeconfig).await?;
-        let readyz = {
-            let client = client.clone();
-            wait::until(
-                "kube-apiserver /readyz",
-                Duration::from_secs(180),
-                Duration::from_millis(500),
-                move || {
-                    let client = client.clone();
-                    async move {
-                        let req = http::Request::get("/readyz").body(Vec::new())?;
-                        Ok(client
-                            .request_text(req)
-                            .await
-                            .ok()
-                            .filter(|t| t.trim() == "ok"))
-                    }
-                },
-            )
-            .await
-        };
-        readyz.with_context(|| log_tail(&logs.join("kube-apiserver.log"), 30))?;
+        let mut apiserver = apiserver;
+        let started = std::time::Instant::now();
+        loop {
+            if let Some(status) = apiserver.try_exit()? {
+                bail!(
+                    "kube-apiserver exited ({status}):\n{}",
+                    apiserver.log_tail(8)
+                );
+            }
+            let req = http::Request::get("/readyz").body(Vec::new())?;
+            if client
+                .request_text(req)
+                .await
+                .is_ok_and(|t| t.trim() == "ok")
+            {
+                break;
+            }
+            if started.elapsed() > Duration::from_secs(180) {
+                bail!(
+                    "kube-apiserver not ready after 180s:\n{}",
+                    apiserver.log_tail(8)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
 
         let kcm_port = free_port()?;
         let kubeconfig = admin_kubeconfig.display().to_string();
@@ -357,12 +361,19 @@ impl Cluster {
     }
 }
 
-/// `pod-security.kubernetes.io/*` labels for the restricted level.
+/// The Pod Security level scenario namespaces enforce: `restricted`, unless a developer
+/// sets `TANDEM_E2E_POD_SECURITY` (the suite then says so loudly on every run).
+pub fn pod_security_level() -> String {
+    std::env::var("TANDEM_E2E_POD_SECURITY").unwrap_or_else(|_| "restricted".into())
+}
+
+/// `pod-security.kubernetes.io/*` labels for [`pod_security_level`].
 pub fn restricted_labels() -> serde_json::Value {
+    let level = pod_security_level();
     serde_json::json!({
-        "pod-security.kubernetes.io/enforce": "restricted",
+        "pod-security.kubernetes.io/enforce": level,
         "pod-security.kubernetes.io/enforce-version": "latest",
-        "pod-security.kubernetes.io/audit": "restricted",
-        "pod-security.kubernetes.io/warn": "restricted",
+        "pod-security.kubernetes.io/audit": level,
+        "pod-security.kubernetes.io/warn": level,
     })
 }

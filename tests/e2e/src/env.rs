@@ -86,10 +86,6 @@ impl Env {
             }
         }
         models_dir()?;
-        if run_dir.exists() {
-            std::fs::remove_dir_all(run_dir)
-                .with_context(|| format!("clearing {}", run_dir.display()))?;
-        }
         std::fs::create_dir_all(run_dir)?;
         let network = Arc::new(PodNetwork::create().await?);
         let cluster = Cluster::start(run_dir).await?;

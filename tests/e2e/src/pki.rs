@@ -21,8 +21,10 @@ pub struct Pki {
     pub serving_key: PathBuf,
     pub admin_cert: PathBuf,
     pub admin_key: PathBuf,
-    /// Private key that signs service-account tokens (its public half verifies them).
+    /// Private key that signs service-account tokens.
     pub sa_key: PathBuf,
+    /// Its public half, which verifies them.
+    pub sa_pub: PathBuf,
 }
 
 fn name(cn: &str, org: Option<&str>) -> DistinguishedName {
@@ -52,6 +54,7 @@ impl Pki {
             admin_cert: dir.join("admin.crt"),
             admin_key: dir.join("admin.key"),
             sa_key: dir.join("sa.key"),
+            sa_pub: dir.join("sa.pub"),
         };
 
         let ca_key = KeyPair::generate()?;
@@ -98,7 +101,9 @@ impl Pki {
         write(&pki.admin_cert, &cert.pem())?;
         write(&pki.admin_key, &admin_key.serialize_pem())?;
 
-        write(&pki.sa_key, &KeyPair::generate()?.serialize_pem())?;
+        let sa = KeyPair::generate()?;
+        write(&pki.sa_key, &sa.serialize_pem())?;
+        write(&pki.sa_pub, &sa.public_key_pem())?;
         Ok(pki)
     }
 }

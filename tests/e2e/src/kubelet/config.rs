@@ -254,9 +254,100 @@ async fn volume_source(
                 ))
             });
     }
+    if let Some(p) = &v.projected {
+        let dir = scratch.join("volumes").join(volume);
+        project(client, ns, pod, p, &dir).await?;
+        return Ok(dir);
+    }
     Err(config_error(format!(
-        "volume {volume:?}: only hostPath, emptyDir and persistentVolumeClaim are supported"
+        "volume {volume:?}: only hostPath, emptyDir, persistentVolumeClaim and projected volumes are supported"
     )))
+}
+
+/// Write a projected volume (the ServiceAccount admission plugin adds one with a token,
+/// the cluster CA and the namespace) into `dir`.
+async fn project(
+    client: &Client,
+    ns: &str,
+    pod: &Pod,
+    p: &k8s_openapi::api::core::v1::ProjectedVolumeSource,
+    dir: &Path,
+) -> Result<(), NotStartable> {
+    use std::os::unix::fs::PermissionsExt;
+    let fail = |what: &str, e: &dyn std::fmt::Display| {
+        config_error(format!("projected volume: {what}: {e}"))
+    };
+    std::fs::create_dir_all(dir).map_err(|e| fail("creating", &e))?;
+    let write = |rel: &str, data: &[u8]| -> Result<(), NotStartable> {
+        let path = dir.join(rel);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| fail(rel, &e))?;
+        }
+        std::fs::write(&path, data).map_err(|e| fail(rel, &e))?;
+        let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644));
+        Ok(())
+    };
+    for src in p.sources.iter().flatten() {
+        if let Some(t) = &src.service_account_token {
+            let sa = pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.service_account_name.clone())
+                .unwrap_or_else(|| "default".into());
+            let req = serde_json::json!({
+                "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "spec": {
+                    "audiences": t.audience.iter().collect::<Vec<_>>(),
+                    "expirationSeconds": t.expiration_seconds.unwrap_or(3600),
+                    "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
+                                       "name": pod.name_any(), "uid": pod.metadata.uid},
+                },
+            });
+            let api: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+                Api::namespaced(client.clone(), ns);
+            let resp: serde_json::Value = api
+                .create_subresource("token", &sa, &Default::default(), &req)
+                .await
+                .map_err(|e| fail("token request", &e))?;
+            let token = resp["status"]["token"].as_str().unwrap_or_default();
+            write(&t.path, token.as_bytes())?;
+        }
+        if let Some(c) = &src.config_map {
+            let cm = Api::<ConfigMap>::namespaced(client.clone(), ns)
+                .get_opt(&c.name)
+                .await
+                .map_err(|e| fail(&c.name, &e))?;
+            let data = cm.and_then(|cm| cm.data).unwrap_or_default();
+            match &c.items {
+                Some(items) => {
+                    for i in items {
+                        if let Some(v) = data.get(&i.key) {
+                            write(&i.path, v.as_bytes())?;
+                        }
+                    }
+                }
+                None => {
+                    for (k, v) in &data {
+                        write(k, v.as_bytes())?;
+                    }
+                }
+            }
+        }
+        if let Some(d) = &src.downward_api {
+            for i in d.items.iter().flatten() {
+                if let Some(f) = &i.field_ref {
+                    let place = Placement {
+                        node_name: "",
+                        pod_ip: Ipv4Addr::UNSPECIFIED,
+                        host_ip: "",
+                    };
+                    let v = field_ref(pod, &f.field_path, &place).map_err(|e| fail(&i.path, &e))?;
+                    write(&i.path, v.as_bytes())?;
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Resolve everything `container` of `pod` needs. `entrypoint` is what every image runs.

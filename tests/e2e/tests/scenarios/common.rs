@@ -232,10 +232,15 @@ pub async fn ready_endpoint_pods(env: &Env, ns: &str, service: &str) -> Result<V
         .collect())
 }
 
-/// One chat completion against `ip:8000`; returns the answer's text.
+/// One chat completion against `ip:8000` for the scenarios' model name.
 pub async fn chat(ip: &str, timeout: Duration) -> Result<String> {
+    chat_model(ip, MODEL_NAME, timeout).await
+}
+
+/// One chat completion against `ip:8000`; returns the answer's text.
+pub async fn chat_model(ip: &str, model: &str, timeout: Duration) -> Result<String> {
     let body = json!({
-        "model": MODEL_NAME,
+        "model": model,
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 8,
         "temperature": 0,

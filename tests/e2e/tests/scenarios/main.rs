@@ -74,6 +74,8 @@ fn main() -> ExitCode {
         .collect();
     tandem_e2e::proc::set_pod_exec_binary(env!("CARGO_BIN_EXE_e2e-pod-exec").into());
     let run_dir = tandem_e2e::repo_root().join("target/e2e");
+    // Root may own leftovers of a killed run; the logs of the last run are replaced.
+    let _ = std::fs::remove_dir_all(&run_dir);
     let _ = std::fs::create_dir_all(&run_dir);
     common::init_logging(&run_dir);
 
@@ -84,6 +86,10 @@ fn main() -> ExitCode {
         .expect("tokio runtime");
     rt.block_on(async move {
         println!("running {} e2e scenarios", selected.len());
+        let level = tandem_e2e::cluster::pod_security_level();
+        if level != "restricted" {
+            println!("WARNING: TANDEM_E2E_POD_SECURITY={level}: namespaces are NOT restricted; this run proves less than the suite promises");
+        }
         let started = Instant::now();
         let env = match Env::start(&run_dir).await {
             Ok(e) => e,

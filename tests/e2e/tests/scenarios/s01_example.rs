@@ -32,6 +32,10 @@ pub async fn run(env: &Env) -> Result<()> {
         .context("example has a name")?
         .to_string();
     let groups = doc["spec"]["groups"].as_i64().unwrap_or(1) as i32;
+    let model = doc["spec"]["model"]["name"]
+        .as_str()
+        .context("example has a model name")?
+        .to_string();
 
     env.namespace(ns).await?;
     let mut op = env.operator("s01", ns)?;
@@ -142,7 +146,7 @@ pub async fn run(env: &Env) -> Result<()> {
             decode_pods.contains(&e.pod),
             "endpoint {e:?} is not a decode pod"
         );
-        let text = chat(&e.ip, Duration::from_secs(60)).await?;
+        let text = chat_model(&e.ip, &model, Duration::from_secs(60)).await?;
         figure(
             &format!("chat via endpoint {} ({})", e.ip, e.pod),
             format!("{text:?}"),
