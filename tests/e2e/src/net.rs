@@ -32,7 +32,14 @@ async fn ip(args: &[&str]) -> Result<String> {
 
 /// The bridge and the address pool.
 pub struct PodNetwork {
-    used: Mutex<BTreeSet<u8>>,
+    pool: Mutex<Pool>,
+}
+
+/// Addresses in use, and where the next search starts: addresses are handed out in turn,
+/// so a freed one is reused as late as possible (neighbours may still cache its old MAC).
+struct Pool {
+    used: BTreeSet<u8>,
+    next: u8,
 }
 
 impl PodNetwork {
@@ -51,24 +58,34 @@ impl PodNetwork {
         .await?;
         ip(&["link", "set", BRIDGE, "up"]).await?;
         Ok(PodNetwork {
-            used: Mutex::new(BTreeSet::new()),
+            pool: Mutex::new(Pool {
+                used: BTreeSet::new(),
+                next: FIRST_POD_HOST,
+            }),
         })
     }
 
     fn allocate(&self) -> Result<Ipv4Addr> {
-        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
-        for host in FIRST_POD_HOST..=254 {
-            if used.insert(host) {
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        let span = 254 - FIRST_POD_HOST + 1;
+        for i in 0..span {
+            let host = FIRST_POD_HOST + (pool.next - FIRST_POD_HOST + i) % span;
+            if pool.used.insert(host) {
+                pool.next = if host == 254 {
+                    FIRST_POD_HOST
+                } else {
+                    host + 1
+                };
                 let [a, b, c, _] = GATEWAY.octets();
                 return Ok(Ipv4Addr::new(a, b, c, host));
             }
         }
-        bail!("pod network exhausted: more than 245 pods at once")
+        bail!("pod network exhausted: more than {span} pods at once")
     }
 
     fn release(&self, addr: Ipv4Addr) {
-        let mut used = self.used.lock().unwrap_or_else(|e| e.into_inner());
-        used.remove(&addr.octets()[3]);
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        pool.used.remove(&addr.octets()[3]);
     }
 
     /// Create a pod's namespace: veth into the bridge, an address, a default route,
@@ -83,6 +100,9 @@ impl PodNetwork {
             addr,
         };
         let made = async {
+            // A reused address may still sit in the bridge's neighbour cache with the MAC
+            // of its previous pod.
+            let _ = ip(&["neigh", "del", &addr.to_string(), "dev", BRIDGE]).await;
             ip(&["netns", "add", &netns]).await?;
             ip(&[
                 "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &netns,
@@ -218,6 +238,31 @@ async fn cleanup_leftovers() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn freed_addresses_are_reused_last() {
+        let net = PodNetwork {
+            pool: Mutex::new(Pool {
+                used: BTreeSet::new(),
+                next: FIRST_POD_HOST,
+            }),
+        };
+        let a = net.allocate().unwrap();
+        let b = net.allocate().unwrap();
+        assert_eq!((a.octets()[3], b.octets()[3]), (10, 11));
+        net.release(a);
+        assert_eq!(
+            net.allocate().unwrap().octets()[3],
+            12,
+            "not the one just freed"
+        );
+        let mut seen = BTreeSet::new();
+        for _ in 0..242 {
+            seen.insert(net.allocate().unwrap().octets()[3]);
+        }
+        assert!(seen.contains(&10), "wraps around to freed addresses");
+        assert!(net.allocate().is_err(), "all 245 in use");
+    }
 
     #[test]
     fn resolv_conf_searches_like_a_cluster() {

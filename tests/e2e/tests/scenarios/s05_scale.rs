@@ -22,17 +22,16 @@ pub async fn run(env: &Env) -> Result<()> {
         .ok(&["scale", "pdd", name, "-n", ns, "--replicas", "3"])
         .await?;
     wait_ready(env, ns, name, 3, Duration::from_secs(240)).await?;
-    let scale = env
+    let raw = env
         .kubectl
-        .json(&[
+        .ok(&[
             "get",
             "--raw",
             &format!("/apis/tandem.dev/v1alpha1/namespaces/{ns}/pddeployments/{name}/scale"),
         ])
         .await
-        .or_else(|_| -> Result<serde_json::Value> {
-            anyhow::bail!("the scale subresource is not served")
-        })?;
+        .context("reading the scale subresource")?;
+    let scale: serde_json::Value = serde_json::from_str(&raw)?;
     ensure!(
         scale["spec"]["replicas"] == 3 && scale["status"]["replicas"] == 3,
         "scale subresource: {scale}"

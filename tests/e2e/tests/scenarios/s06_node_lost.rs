@@ -75,6 +75,24 @@ pub async fn run(env: &Env) -> Result<()> {
             format!("{:.1}s", lost.elapsed().as_secs_f64()),
         );
 
+        wait::until(
+            "the co-restart of the group on the lost node",
+            Duration::from_secs(90),
+            Duration::from_millis(500),
+            || async {
+                let p = get_pdd(env, ns, name).await?;
+                let g = p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.group_statuses.first().cloned());
+                Ok(g.filter(|g| g.incarnation > inc).map(|_| ()))
+            },
+        )
+        .await?;
+        figure(
+            "heartbeats stopped → co-restart decided",
+            format!("{:.1}s", lost.elapsed().as_secs_f64()),
+        );
         let p = wait_ready(env, ns, name, 1, Duration::from_secs(240)).await?;
         figure(
             "heartbeats stopped → group Ready on the other node",

@@ -78,10 +78,13 @@ pub async fn run(env: &Env) -> Result<()> {
     let can = |verb: &'static str, res: &'static str, ns: &'static str| {
         let who = who.clone();
         async move {
-            let out = env
-                .kubectl
-                .run(&["auth", "can-i", verb, res, "-n", ns, "--as", &who])
-                .await?;
+            let mut args = vec!["auth", "can-i", verb];
+            match res.split_once('/') {
+                Some((r, sub)) => args.extend([r, "--subresource", sub]),
+                None => args.push(res),
+            }
+            args.extend(["-n", ns, "--as", &who]);
+            let out = env.kubectl.run(&args).await?;
             Ok::<bool, anyhow::Error>(out.stdout.trim() == "yes")
         }
     };
