@@ -295,6 +295,21 @@ impl Ctx<'_> {
         }
     }
 
+    /// Revision (and spec) a started group should run. While the rollout is paused, a
+    /// group keeps the revision it has (when its spec is still known): pausing stops the
+    /// rollout where it is and never rolls an updated group back.
+    fn target_for(&self, mem: &GroupStatus) -> (&str, &RevisionedSpec) {
+        if self.input.spec.rollout.paused {
+            if mem.revision == self.update_revision {
+                return (&self.update_revision, &self.update);
+            }
+            if mem.revision == self.current_revision {
+                return (&self.current_revision, &self.current);
+            }
+        }
+        self.target(mem.index)
+    }
+
     fn policy(&self) -> RestartPolicy {
         self.input.spec.restart.policy
     }
@@ -649,7 +664,7 @@ fn find_trigger(ctx: &Ctx<'_>, mem: &GroupStatus, pods: &[&ObservedPod]) -> Opti
             });
         }
     }
-    let (target_rev, _) = ctx.target(mem.index);
+    let (target_rev, _) = ctx.target_for(mem);
     if mem.revision != target_rev {
         return Some(Trigger {
             reason: CoRestartReason::RevisionChanged,
@@ -755,7 +770,7 @@ fn co_restart(ctx: &mut Ctx<'_>, mem: &mut GroupStatus, t: &Trigger) -> bool {
 
     let old = mem.incarnation;
     let new = old + 1;
-    let (rev, _) = ctx.target(g);
+    let (rev, _) = ctx.target_for(mem);
     let rev = rev.to_string();
     let type_ = if is_failure(t.reason) {
         EventKind::Warning

@@ -384,6 +384,52 @@ fn paused_rollout_starts_nothing() {
 }
 
 #[test]
+fn pausing_keeps_updated_groups_where_they_are() {
+    // partition 1: group 1 moves to the new revision, group 0 stays.
+    let mut sim = ready_sim(2);
+    let old = sim
+        .status
+        .as_ref()
+        .unwrap()
+        .update_revision
+        .clone()
+        .unwrap();
+    sim.spec.rollout.partition = 1;
+    sim.spec.decode.template.image = "tandem:2".into();
+    sim.settle(40);
+    let new = sim
+        .status
+        .as_ref()
+        .unwrap()
+        .update_revision
+        .clone()
+        .unwrap();
+    assert_ne!(old, new);
+    assert_eq!(sim.group(1).revision, new);
+    assert_eq!(sim.group(0).revision, old);
+    // Pause with the partition lifted: nothing moves, in either direction.
+    sim.spec.rollout.partition = 0;
+    sim.spec.rollout.paused = true;
+    let plan = sim.reconcile();
+    assert!(plan.co_restarts.is_empty(), "{:?}", plan.co_restarts);
+    sim.settle(10);
+    assert_eq!(
+        (sim.group(0).revision.clone(), sim.group(1).revision.clone()),
+        (old.clone(), new.clone())
+    );
+    // A failure while paused rebuilds the updated group at its own revision.
+    let d1 = only_pod(&sim, 1, Role::Decode);
+    sim.fail(&d1);
+    sim.settle(40);
+    assert_eq!(sim.group(1).revision, new);
+    assert_eq!(sim.group(1).phase, GroupPhase::Ready);
+    // Unpaused: group 0 follows.
+    sim.spec.rollout.paused = false;
+    sim.settle(40);
+    assert_eq!(sim.group(0).revision, new);
+}
+
+#[test]
 fn broken_groups_are_repaired_before_healthy_ones_are_rolled() {
     let mut sim = ready_sim(3);
     let d0 = only_pod(&sim, 0, Role::Decode);

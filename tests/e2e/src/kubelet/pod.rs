@@ -59,6 +59,9 @@ enum Kind {
     Readiness,
 }
 
+/// A finished probe: which one, and how it went.
+type ProbeResult = (Kind, Result<(), String>);
+
 struct ProbeState {
     spec: ProbeSpec,
     tracker: Tracker,
@@ -108,8 +111,8 @@ pub struct Worker {
     started_at: Option<Instant>,
     probes: Vec<(Kind, ProbeState)>,
     results: (
-        mpsc::UnboundedSender<(Kind, Result<(), String>)>,
-        mpsc::UnboundedReceiver<(Kind, Result<(), String>)>,
+        mpsc::UnboundedSender<ProbeResult>,
+        mpsc::UnboundedReceiver<ProbeResult>,
     ),
     /// SIGKILL at this instant (set when termination begins).
     kill_at: Option<Instant>,

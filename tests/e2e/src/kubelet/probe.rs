@@ -106,24 +106,13 @@ pub async fn run(spec: &ProbeSpec, pod_ip: Ipv4Addr) -> Result<(), String> {
 }
 
 /// Consecutive results of one probe, turned into a verdict by the thresholds.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Tracker {
     pub successes: u32,
     pub failures: u32,
     /// Current verdict (probes start out failing: not ready, not started).
     pub passing: bool,
     pub last_error: Option<String>,
-}
-
-impl Default for Tracker {
-    fn default() -> Self {
-        Tracker {
-            successes: 0,
-            failures: 0,
-            passing: false,
-            last_error: None,
-        }
-    }
 }
 
 impl Tracker {

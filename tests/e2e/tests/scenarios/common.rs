@@ -292,7 +292,6 @@ pub async fn events(env: &Env, ns: &str, name: &str) -> Result<Vec<Event>> {
 /// One observed pod change.
 #[derive(Debug, Clone)]
 pub struct PodChange {
-    pub at: Instant,
     pub pod: String,
     pub group: i32,
     pub role: String,
@@ -342,7 +341,6 @@ impl PodRecorder {
                 };
                 let push = |what| {
                     sink.lock().unwrap().push(PodChange {
-                        at: Instant::now(),
                         pod: pod.name_any(),
                         group: group(&pod),
                         role: role(&pod),
