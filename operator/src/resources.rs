@@ -8,9 +8,10 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{
-    Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource,
-    ObjectFieldSelector, PersistentVolumeClaimVolumeSource, Pod, PodReadinessGate, PodSpec, Probe,
-    Secret, SecretKeySelector, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
+    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
+    HostPathVolumeSource, ObjectFieldSelector, PersistentVolumeClaimVolumeSource, Pod,
+    PodReadinessGate, PodSecurityContext, PodSpec, Probe, SeccompProfile, Secret,
+    SecretKeySelector, SecurityContext, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
@@ -164,6 +165,38 @@ fn http_probe(path: &str, period: i32, failure_threshold: i32) -> Probe {
     }
 }
 
+/// UID and GID of the dataplane process (a non-root numeric user).
+pub const DATAPLANE_UID: i64 = 65532;
+
+/// Pod-level settings of the `restricted` Pod Security Standard: non-root user, seccomp
+/// `RuntimeDefault`. (The packaging work makes these overridable from the template.)
+fn restricted_pod_security() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(DATAPLANE_UID),
+        run_as_group: Some(DATAPLANE_UID),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Container-level settings of the `restricted` standard, plus a read-only root
+/// filesystem (the dataplane writes no file).
+fn restricted_container_security() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
 /// The pod for one planned member. The image's entrypoint must be the dataplane binary;
 /// the operator only supplies its arguments.
 pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
@@ -309,6 +342,7 @@ pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
             t.health.failure_threshold,
         )),
         liveness_probe: Some(http_probe("/health", 10, 3)),
+        security_context: Some(restricted_container_security()),
         volume_mounts: mounts,
         ..Default::default()
     };
@@ -337,6 +371,9 @@ pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
             node_selector: (!tpl.node_selector.is_empty()).then(|| tpl.node_selector.clone()),
             tolerations: (!tpl.tolerations.is_empty()).then(|| tpl.tolerations.clone()),
             service_account_name: tpl.service_account_name.clone(),
+            // The dataplane never calls the Kubernetes API.
+            automount_service_account_token: Some(false),
+            security_context: Some(restricted_pod_security()),
             volumes,
             ..Default::default()
         }),
@@ -687,6 +724,23 @@ mod tests {
             .map(|e| e.name.as_str())
             .collect();
         assert_eq!(names.iter().filter(|n| **n == "TANDEM_ROLE").count(), 1);
+    }
+
+    #[test]
+    fn pods_meet_the_restricted_pod_security_standard() {
+        let p = pdd(testutil::spec(1));
+        for role in [Role::Prefill, Role::Decode] {
+            let s = pod(&p, &intent(&p, role, 0)).unwrap().spec.unwrap();
+            let psc = s.security_context.unwrap();
+            assert_eq!(psc.run_as_non_root, Some(true));
+            assert_eq!(psc.run_as_user, Some(DATAPLANE_UID));
+            assert_eq!(psc.seccomp_profile.unwrap().type_, "RuntimeDefault");
+            assert_eq!(s.automount_service_account_token, Some(false));
+            let sc = s.containers[0].security_context.clone().unwrap();
+            assert_eq!(sc.allow_privilege_escalation, Some(false));
+            assert_eq!(sc.capabilities.unwrap().drop.unwrap(), ["ALL"]);
+            assert_eq!(sc.read_only_root_filesystem, Some(true));
+        }
     }
 
     #[test]
