@@ -111,5 +111,5 @@ install_etcd
 install_kubectl_helm
 build_k8s
 "$K8S_DIR/bin/kube-apiserver" --version
-"$ETCD_DIR/etcd" --version | head -1
-"$BIN_DIR/kubectl" version --client | head -1
+"$ETCD_DIR/etcd" --version | sed -n 1p
+"$BIN_DIR/kubectl" version --client | sed -n 1p
