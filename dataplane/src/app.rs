@@ -124,7 +124,7 @@ fn start_pd(
     engine: &crate::scheduler::EngineHandle,
     metrics: &Arc<Metrics>,
 ) -> Result<Option<PdRole>> {
-    // A fresh random incarnation per process start (rule 4).
+    // A fresh random incarnation per process start (rule 4 in docs/architecture.md).
     let incarnation = crate::pd::random_id();
     let local = crate::pd::local_identity(info, kv_dtype, incarnation, cfg.group_incarnation);
     let key = GroupKey::new(cfg.group_key.as_bytes());

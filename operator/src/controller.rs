@@ -642,35 +642,22 @@ fn check_not_foreign(foreign: &Foreign, kind: &'static str, name: &str) -> Resul
     }
 }
 
-/// Create `obj`; if it already exists, that is fine only when it is ours (a create that
-/// raced with our own earlier one); anything else is a conflict, never an overwrite.
-async fn create_if_missing<K>(
-    api: &Api<K>,
-    obj: &K,
-    kind: &'static str,
-    uid: &str,
-) -> Result<(), Error>
+/// Create `obj`, never overwriting: the planner only creates what the fresh lists did not
+/// show as ours, so an object that already exists belongs to someone else (listed reads
+/// are consistent, and one reconcile runs at a time per deployment). That is a reported
+/// conflict, not a success and not a takeover.
+async fn create_if_missing<K>(api: &Api<K>, obj: &K, kind: &'static str) -> Result<(), Error>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
 {
     let name = obj.meta().name.clone().unwrap_or_default();
     match api.create(&PostParams::default(), obj).await {
         Ok(_) => Ok(()),
-        Err(e) if is_status(&e, 409) => {
-            let existing = api
-                .get_metadata(&name)
-                .await
-                .map_err(Error::kube(format!("reading {kind} {name}")))?;
-            if controller_uid(&existing.metadata) == Some(uid) {
-                Ok(())
-            } else {
-                Err(Error::Conflict {
-                    kind,
-                    name,
-                    owner: describe_owner(&existing.metadata),
-                })
-            }
-        }
+        Err(e) if is_status(&e, 409) => Err(Error::Conflict {
+            kind,
+            name,
+            owner: "it appeared after this reconcile listed the namespace".into(),
+        }),
         Err(e) => Err(Error::kube(format!("creating {kind} {name}"))(e)),
     }
 }
@@ -685,7 +672,6 @@ async fn apply(
 ) -> Result<(), Error> {
     let ns = pdd.namespace().ok_or(Error::NoNamespace)?;
     let name = pdd.name_any();
-    let uid = pdd.metadata.uid.clone().unwrap_or_default();
     let client = ctx.client.clone();
     match action {
         PlannedAction::ApplyClientService => {
@@ -717,7 +703,7 @@ async fn apply(
             let api = Api::<Secret>::namespaced(client, &ns);
             let secret = resources::group_secret(pdd, *group, &resources::random_group_key())?;
             // Never overwrite an existing key: pods may be using it.
-            create_if_missing(&api, &secret, "secret", &uid).await
+            create_if_missing(&api, &secret, "secret").await
         }
         PlannedAction::CreatePod(intent) => {
             check_not_foreign(foreign, "pod", &intent.name)?;
@@ -725,7 +711,7 @@ async fn apply(
             let api = Api::<Pod>::namespaced(client, &ns);
             // Created, never applied: a pod of another owner with this name (a deployment
             // of the same name being deleted) must not be taken over.
-            create_if_missing(&api, &resources::pod(pdd, intent)?, "pod", &uid).await
+            create_if_missing(&api, &resources::pod(pdd, intent)?, "pod").await
         }
         PlannedAction::DeletePod {
             name: pod,

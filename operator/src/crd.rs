@@ -7,7 +7,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};
+use k8s_openapi::api::core::v1::{
+    EnvVar, PodSecurityContext, ResourceRequirements, SecurityContext, Toleration,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
 use schemars::JsonSchema;
@@ -150,6 +152,11 @@ fn default_replicas() -> i32 {
 
 /// The parts of a pod a user sets; the operator fills in everything else (command,
 /// ports, probes, readiness gate, labels, environment for the group).
+///
+/// Security: unless set here, dataplane pods run under the restricted Pod Security
+/// profile — pod: `runAsNonRoot`, UID/GID 65532, seccomp `RuntimeDefault`; container:
+/// no privilege escalation, every capability dropped, read-only root filesystem — and
+/// without a service-account token (the dataplane never calls the Kubernetes API).
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PodTemplate {
@@ -175,6 +182,19 @@ pub struct PodTemplate {
     pub annotations: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service_account_name: Option<String>,
+    /// Mount a service-account token into the pods (default false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub automount_service_account_token: Option<bool>,
+    /// Pod-level security context. Fields left unset take the restricted defaults
+    /// (runAsNonRoot true, runAsUser and runAsGroup 65532, seccompProfile RuntimeDefault);
+    /// to run as root, set both runAsNonRoot false and runAsUser 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub security_context: Option<PodSecurityContext>,
+    /// Security context of the dataplane container. Fields left unset take the restricted
+    /// defaults (allowPrivilegeEscalation false, capabilities.drop [ALL],
+    /// readOnlyRootFilesystem true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_security_context: Option<SecurityContext>,
 }
 
 /// Ports and timeouts of the KV transfer channel.
@@ -243,6 +263,12 @@ pub struct HealthSpec {
     #[serde(default = "default_co_restart_after")]
     #[schemars(range(min = 1))]
     pub co_restart_after_seconds: i32,
+    /// How long a pod may take from start to serving `/health` (loading the model)
+    /// before the kubelet kills it; the startup probe holds off the liveness probe
+    /// until then.
+    #[serde(default = "default_startup_timeout")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub startup_timeout_seconds: i32,
 }
 
 fn default_probe_period() -> i32 {
@@ -254,6 +280,9 @@ fn default_failure_threshold() -> i32 {
 fn default_co_restart_after() -> i32 {
     30
 }
+fn default_startup_timeout() -> i32 {
+    600
+}
 
 impl Default for HealthSpec {
     fn default() -> Self {
@@ -261,6 +290,7 @@ impl Default for HealthSpec {
             probe_period_seconds: default_probe_period(),
             failure_threshold: default_failure_threshold(),
             co_restart_after_seconds: default_co_restart_after(),
+            startup_timeout_seconds: default_startup_timeout(),
         }
     }
 }
@@ -705,6 +735,23 @@ mod tests {
         assert_eq!(policies, &serde_json::json!(["CoRestartGroup", "None"]));
     }
 
+    /// Every key of `orig` (a manifest as written) is present in `back` (the parsed
+    /// resource serialized again): no typo that serde would silently drop.
+    fn assert_covered(orig: &serde_json::Value, back: &serde_json::Value, path: &str) {
+        if let (serde_json::Value::Object(o), serde_json::Value::Object(b)) = (orig, back) {
+            for (k, v) in o {
+                let bv = b.get(k).unwrap_or_else(|| panic!("{path}.{k} was dropped"));
+                assert_covered(v, bv, &format!("{path}.{k}"));
+            }
+        }
+        if let (serde_json::Value::Array(o), serde_json::Value::Array(b)) = (orig, back) {
+            assert_eq!(o.len(), b.len(), "{path}: list length");
+            for (i, (o, b)) in o.iter().zip(b).enumerate() {
+                assert_covered(o, b, &format!("{path}[{i}]"));
+            }
+        }
+    }
+
     #[test]
     fn the_api_server_is_told_what_can_never_be_served() {
         let crd = serde_json::to_value(crd()).unwrap();
@@ -734,25 +781,72 @@ mod tests {
 
     #[test]
     fn example_manifest_parses_and_uses_every_section() {
-        let text = include_str!("../../manifests/smollm2-pd.yaml");
+        let text = include_str!("../../manifests/examples/smollm2.yaml");
         let pdd: PDDeployment = serde_yaml::from_str(text).unwrap();
         assert_eq!(pdd.spec.groups, 2);
         assert_eq!(pdd.spec.restart.backoff.max_seconds, 300);
+        assert_eq!(pdd.spec.health.startup_timeout_seconds, 600);
         let vol = pdd.spec.model.volume.as_ref().unwrap();
         assert_eq!(vol.claim_name.as_deref(), Some("models"));
-        // Every field written in the example survives a round trip (no typos that serde
-        // would silently drop).
         let back: serde_json::Value = serde_json::to_value(&pdd).unwrap();
         let orig: serde_json::Value = serde_yaml::from_str(text).unwrap();
-        fn covered(orig: &serde_json::Value, back: &serde_json::Value, path: &str) {
-            if let (serde_json::Value::Object(o), serde_json::Value::Object(b)) = (orig, back) {
-                for (k, v) in o {
-                    let bv = b.get(k).unwrap_or_else(|| panic!("{path}.{k} was dropped"));
-                    covered(v, bv, &format!("{path}.{k}"));
+        assert_covered(&orig["spec"], &back["spec"], "spec");
+    }
+
+    /// Every PDDeployment under `manifests/` (every document of every YAML file) parses
+    /// and keeps every field it writes.
+    #[test]
+    fn every_example_pddeployment_parses_and_keeps_every_field() {
+        use serde::Deserialize as _;
+        fn yaml_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+            for e in std::fs::read_dir(dir).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    yaml_files(&p, out);
+                } else if p.extension().is_some_and(|x| x == "yaml" || x == "yml") {
+                    out.push(p);
                 }
             }
         }
-        covered(&orig["spec"], &back["spec"], "spec");
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests");
+        let mut files = Vec::new();
+        yaml_files(&root, &mut files);
+        let mut seen = Vec::new();
+        for f in files {
+            let text = std::fs::read_to_string(&f).unwrap();
+            for doc in serde_yaml::Deserializer::from_str(&text) {
+                let orig = serde_json::Value::deserialize(doc).unwrap();
+                if orig["kind"] != "PDDeployment" {
+                    continue;
+                }
+                let name = format!("{}: {}", f.display(), orig["metadata"]["name"]);
+                let pdd: PDDeployment =
+                    serde_json::from_value(orig.clone()).unwrap_or_else(|e| panic!("{name}: {e}"));
+                let back = serde_json::to_value(&pdd).unwrap();
+                assert_covered(&orig["spec"], &back["spec"], &name);
+                seen.push(pdd);
+            }
+        }
+        let find = |name: &str| {
+            seen.iter()
+                .find(|p| p.metadata.name.as_deref() == Some(name))
+                .unwrap_or_else(|| panic!("no PDDeployment {name} under manifests/"))
+        };
+        find("smollm2");
+        let gpu = find("smollm2-gpu");
+        for role in [&gpu.spec.prefill, &gpu.spec.decode] {
+            assert_eq!(&role.args[..2], ["--device", "cuda"]);
+            let limits = role.template.resources.as_ref().unwrap().limits.as_ref();
+            assert_eq!(limits.unwrap()["nvidia.com/gpu"].0, "1");
+        }
+        let two_to_one = find("smollm2-2p1d");
+        assert_eq!(
+            (
+                two_to_one.spec.prefill.replicas,
+                two_to_one.spec.decode.replicas
+            ),
+            (2, 1)
+        );
     }
 
     #[test]

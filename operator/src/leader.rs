@@ -504,6 +504,8 @@ mod tests {
             );
             let bytes = req.into_body().collect_bytes().await.unwrap();
             let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            // Every request of the elector is one the chart's RBAC allows.
+            crate::testutil::rbac::assert_allowed(&method, uri, None, &body);
             let reply = if reply.is_null() { body.clone() } else { reply };
             send.send_response(
                 Response::builder()

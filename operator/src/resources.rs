@@ -21,7 +21,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 
-use crate::crd::{PDDeployment, RevisionedSpec, conditions, labels};
+use crate::crd::{HealthSpec, PDDeployment, PodTemplate, RevisionedSpec, conditions, labels};
 use crate::names;
 use crate::planner::{PodIntent, Role};
 
@@ -33,6 +33,14 @@ pub const SECRET_KEY: &str = "key";
 const MODEL_VOLUME: &str = "model";
 const HTTP_PORT_NAME: &str = "http";
 const KV_PORT_NAME: &str = "kv";
+/// UID and GID dataplane pods run as unless their template says otherwise: the numeric
+/// non-root user of the images in `docker/`.
+pub const DEFAULT_UID: i64 = 65532;
+/// Liveness: a process whose HTTP loop does not answer `/health` within this many seconds,
+/// three times in a row, ten seconds apart, is killed (and its group co-restarted).
+const LIVENESS_PERIOD_SECONDS: i32 = 10;
+const LIVENESS_TIMEOUT_SECONDS: i32 = 5;
+const LIVENESS_FAILURE_THRESHOLD: i32 = 3;
 
 /// The `PDDeployment` lacks a field every owned object needs (objects read from the API
 /// server always have them).
@@ -152,7 +160,7 @@ fn env_field(name: &str, field_path: &str) -> EnvVar {
     }
 }
 
-fn http_probe(path: &str, period: i32, failure_threshold: i32) -> Probe {
+fn http_probe(path: &str, period: i32, timeout: i32, failure_threshold: i32) -> Probe {
     Probe {
         http_get: Some(HTTPGetAction {
             path: Some(path.to_string()),
@@ -160,41 +168,74 @@ fn http_probe(path: &str, period: i32, failure_threshold: i32) -> Probe {
             ..Default::default()
         }),
         period_seconds: Some(period),
+        timeout_seconds: Some(timeout),
         failure_threshold: Some(failure_threshold),
         ..Default::default()
     }
 }
 
-/// UID and GID of the dataplane process (a non-root numeric user).
-pub const DATAPLANE_UID: i64 = 65532;
+/// The three probes of a dataplane container.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Probes {
+    /// `/health` every probe period until it answers, for at most
+    /// `health.startupTimeoutSeconds`: the process binds its HTTP port only after the
+    /// model is loaded, and the kubelet runs neither liveness nor readiness before the
+    /// startup probe has succeeded, so a slow load is never mistaken for a hang.
+    pub startup: Probe,
+    /// `/ready` (the bootstrap channel) every probe period; a probe that takes longer
+    /// than the period counts as failed, so readiness follows the channel's own
+    /// `failureThreshold × probePeriod` bound.
+    pub readiness: Probe,
+    /// `/health` (the process and its event loop); generous, because it kills.
+    pub liveness: Probe,
+}
 
-/// Pod-level settings of the `restricted` Pod Security Standard: non-root user, seccomp
-/// `RuntimeDefault`. (The packaging work makes these overridable from the template.)
-fn restricted_pod_security() -> PodSecurityContext {
-    PodSecurityContext {
-        run_as_non_root: Some(true),
-        run_as_user: Some(DATAPLANE_UID),
-        run_as_group: Some(DATAPLANE_UID),
-        seccomp_profile: Some(SeccompProfile {
-            type_: "RuntimeDefault".into(),
-            ..Default::default()
-        }),
-        ..Default::default()
+/// Probes derived from the (revisioned) health spec.
+pub fn probes(h: &HealthSpec) -> Probes {
+    let period = h.probe_period_seconds.max(1);
+    // ceil(startup timeout / period), in i64 so that no spec value overflows.
+    let startup_threshold =
+        (i64::from(h.startup_timeout_seconds.max(1)) + i64::from(period) - 1) / i64::from(period);
+    let startup_threshold = i32::try_from(startup_threshold).unwrap_or(i32::MAX);
+    Probes {
+        startup: http_probe("/health", period, period, startup_threshold),
+        readiness: http_probe("/ready", period, period, h.failure_threshold.max(1)),
+        liveness: http_probe(
+            "/health",
+            LIVENESS_PERIOD_SECONDS,
+            LIVENESS_TIMEOUT_SECONDS,
+            LIVENESS_FAILURE_THRESHOLD,
+        ),
     }
 }
 
-/// Container-level settings of the `restricted` standard, plus a read-only root
-/// filesystem (the dataplane writes no file).
-fn restricted_container_security() -> SecurityContext {
-    SecurityContext {
-        allow_privilege_escalation: Some(false),
-        read_only_root_filesystem: Some(true),
-        capabilities: Some(Capabilities {
-            drop: Some(vec!["ALL".into()]),
-            ..Default::default()
-        }),
+/// The pod-level security context: the template's, with every field it leaves unset
+/// taken from the restricted Pod Security profile (non-root UID/GID [`DEFAULT_UID`],
+/// seccomp `RuntimeDefault`).
+pub fn pod_security_context(tpl: &PodTemplate) -> PodSecurityContext {
+    let mut sc = tpl.security_context.clone().unwrap_or_default();
+    sc.run_as_non_root.get_or_insert(true);
+    sc.run_as_user.get_or_insert(DEFAULT_UID);
+    sc.run_as_group.get_or_insert(DEFAULT_UID);
+    sc.seccomp_profile.get_or_insert_with(|| SeccompProfile {
+        type_: "RuntimeDefault".into(),
         ..Default::default()
-    }
+    });
+    sc
+}
+
+/// The dataplane container's security context: the template's, with every field it
+/// leaves unset taken from the restricted profile (no privilege escalation, every
+/// capability dropped) plus a read-only root filesystem (the dataplane writes no file).
+pub fn container_security_context(tpl: &PodTemplate) -> SecurityContext {
+    let mut sc = tpl.container_security_context.clone().unwrap_or_default();
+    sc.allow_privilege_escalation.get_or_insert(false);
+    sc.read_only_root_filesystem.get_or_insert(true);
+    sc.capabilities
+        .get_or_insert_with(Capabilities::default)
+        .drop
+        .get_or_insert_with(|| vec!["ALL".into()]);
+    sc
 }
 
 /// The pod for one planned member. The image's entrypoint must be the dataplane binary;
@@ -328,6 +369,7 @@ pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
         _ => (None, None),
     };
 
+    let probes = probes(&t.health);
     let container = Container {
         name: CONTAINER.into(),
         image: Some(tpl.image.clone()),
@@ -336,13 +378,10 @@ pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
         env: Some(env),
         ports: Some(ports),
         resources: tpl.resources.clone(),
-        readiness_probe: Some(http_probe(
-            "/ready",
-            t.health.probe_period_seconds,
-            t.health.failure_threshold,
-        )),
-        liveness_probe: Some(http_probe("/health", 10, 3)),
-        security_context: Some(restricted_container_security()),
+        startup_probe: Some(probes.startup),
+        readiness_probe: Some(probes.readiness),
+        liveness_probe: Some(probes.liveness),
+        security_context: Some(container_security_context(tpl)),
         volume_mounts: mounts,
         ..Default::default()
     };
@@ -371,9 +410,10 @@ pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
             node_selector: (!tpl.node_selector.is_empty()).then(|| tpl.node_selector.clone()),
             tolerations: (!tpl.tolerations.is_empty()).then(|| tpl.tolerations.clone()),
             service_account_name: tpl.service_account_name.clone(),
-            // The dataplane never calls the Kubernetes API.
-            automount_service_account_token: Some(false),
-            security_context: Some(restricted_pod_security()),
+            automount_service_account_token: Some(
+                tpl.automount_service_account_token.unwrap_or(false),
+            ),
+            security_context: Some(pod_security_context(tpl)),
             volumes,
             ..Default::default()
         }),
@@ -727,23 +767,6 @@ mod tests {
     }
 
     #[test]
-    fn pods_meet_the_restricted_pod_security_standard() {
-        let p = pdd(testutil::spec(1));
-        for role in [Role::Prefill, Role::Decode] {
-            let s = pod(&p, &intent(&p, role, 0)).unwrap().spec.unwrap();
-            let psc = s.security_context.unwrap();
-            assert_eq!(psc.run_as_non_root, Some(true));
-            assert_eq!(psc.run_as_user, Some(DATAPLANE_UID));
-            assert_eq!(psc.seccomp_profile.unwrap().type_, "RuntimeDefault");
-            assert_eq!(s.automount_service_account_token, Some(false));
-            let sc = s.containers[0].security_context.clone().unwrap();
-            assert_eq!(sc.allow_privilege_escalation, Some(false));
-            assert_eq!(sc.capabilities.unwrap().drop.unwrap(), ["ALL"]);
-            assert_eq!(sc.read_only_root_filesystem, Some(true));
-        }
-    }
-
-    #[test]
     fn pod_uses_the_intent_template_not_the_live_spec() {
         let p = pdd(testutil::spec(1));
         let mut i = intent(&p, Role::Prefill, 0);
@@ -877,6 +900,212 @@ mod tests {
         assert_owned(&s.metadata);
         assert_eq!(s.metadata.name.as_deref(), Some("demo-g0-key"));
         assert_eq!(s.data.unwrap()["key"].0, k1.as_bytes());
+    }
+
+    /// The checks of the "restricted" Pod Security Standard (Kubernetes 1.33) that a pod
+    /// built here could fail; returns one line per violation.
+    fn restricted_violations(pod: &Pod) -> Vec<String> {
+        let mut v = Vec::new();
+        let spec = pod.spec.as_ref().unwrap();
+        let psc = spec.security_context.clone().unwrap_or_default();
+        for (what, on) in [
+            ("hostNetwork", spec.host_network),
+            ("hostPID", spec.host_pid),
+            ("hostIPC", spec.host_ipc),
+        ] {
+            if on == Some(true) {
+                v.push(what.to_string());
+            }
+        }
+        for vol in spec.volumes.iter().flatten() {
+            if vol.host_path.is_some() {
+                v.push(format!("volume {} is a hostPath", vol.name));
+            }
+        }
+        let seccomp_ok = |p: &Option<SeccompProfile>| {
+            p.as_ref()
+                .is_some_and(|p| p.type_ == "RuntimeDefault" || p.type_ == "Localhost")
+        };
+        if psc.run_as_user == Some(0) {
+            v.push("pod runAsUser 0".into());
+        }
+        for c in &spec.containers {
+            let sc = c.security_context.clone().unwrap_or_default();
+            if sc.privileged == Some(true) {
+                v.push(format!("{}: privileged", c.name));
+            }
+            if sc.allow_privilege_escalation != Some(false) {
+                v.push(format!("{}: allowPrivilegeEscalation not false", c.name));
+            }
+            let caps = sc.capabilities.clone().unwrap_or_default();
+            if !caps.drop.iter().flatten().any(|d| d == "ALL") {
+                v.push(format!("{}: capabilities do not drop ALL", c.name));
+            }
+            if caps.add.iter().flatten().any(|a| a != "NET_BIND_SERVICE") {
+                v.push(format!("{}: adds a capability", c.name));
+            }
+            if sc.run_as_non_root.or(psc.run_as_non_root) != Some(true) {
+                v.push(format!("{}: runAsNonRoot not true", c.name));
+            }
+            if sc.run_as_user == Some(0) {
+                v.push(format!("{}: runAsUser 0", c.name));
+            }
+            if !seccomp_ok(&sc.seccomp_profile) && !seccomp_ok(&psc.seccomp_profile) {
+                v.push(format!("{}: no RuntimeDefault/Localhost seccomp", c.name));
+            }
+            if c.ports.iter().flatten().any(|p| p.host_port.is_some()) {
+                v.push(format!("{}: hostPort", c.name));
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn pods_are_admitted_under_restricted_pod_security_by_default() {
+        let mut spec = testutil::spec(1);
+        spec.model.volume = Some(ModelVolume {
+            claim_name: Some("models".into()),
+            host_path: None,
+            mount_path: "/models".into(),
+        });
+        let p = pdd(spec);
+        for role in [Role::Prefill, Role::Decode] {
+            let pod = pod(&p, &intent(&p, role, 0)).unwrap();
+            assert_eq!(
+                restricted_violations(&pod),
+                Vec::<String>::new(),
+                "{role:?}"
+            );
+            let s = pod.spec.as_ref().unwrap();
+            let psc = s.security_context.as_ref().unwrap();
+            assert_eq!(psc.run_as_non_root, Some(true));
+            assert_eq!(psc.run_as_user, Some(65532));
+            assert_eq!(psc.run_as_group, Some(65532));
+            assert_eq!(psc.fs_group, None, "no recursive chown of model volumes");
+            assert_eq!(
+                psc.seccomp_profile.as_ref().unwrap().type_,
+                "RuntimeDefault"
+            );
+            let sc = s.containers[0].security_context.as_ref().unwrap();
+            assert_eq!(sc.allow_privilege_escalation, Some(false));
+            assert_eq!(sc.read_only_root_filesystem, Some(true));
+            assert_eq!(
+                sc.capabilities.as_ref().unwrap().drop.as_deref(),
+                Some(&["ALL".to_string()][..])
+            );
+            assert_eq!(s.automount_service_account_token, Some(false));
+        }
+        // A hostPath model volume is for test clusters; restricted namespaces refuse it,
+        // and the check says so.
+        let mut spec = testutil::spec(1);
+        spec.model.volume = Some(ModelVolume {
+            claim_name: None,
+            host_path: Some("/data".into()),
+            mount_path: "/models".into(),
+        });
+        let p = pdd(spec);
+        let pod = pod(&p, &intent(&p, Role::Prefill, 0)).unwrap();
+        assert_eq!(restricted_violations(&pod), ["volume model is a hostPath"]);
+    }
+
+    #[test]
+    fn template_security_settings_override_the_defaults_field_by_field() {
+        let mut spec = testutil::spec(1);
+        spec.decode.template.security_context = Some(PodSecurityContext {
+            run_as_user: Some(1000),
+            fs_group: Some(2000),
+            ..Default::default()
+        });
+        spec.decode.template.container_security_context = Some(SecurityContext {
+            capabilities: Some(Capabilities {
+                add: Some(vec!["NET_BIND_SERVICE".into()]),
+                drop: None,
+            }),
+            read_only_root_filesystem: Some(false),
+            ..Default::default()
+        });
+        spec.decode.template.automount_service_account_token = Some(true);
+        // Root, explicitly: both fields set.
+        spec.prefill.template.security_context = Some(PodSecurityContext {
+            run_as_non_root: Some(false),
+            run_as_user: Some(0),
+            ..Default::default()
+        });
+        let p = pdd(spec);
+
+        let decode = pod(&p, &intent(&p, Role::Decode, 0)).unwrap();
+        assert_eq!(restricted_violations(&decode), Vec::<String>::new());
+        let s = decode.spec.as_ref().unwrap();
+        let psc = s.security_context.as_ref().unwrap();
+        assert_eq!(
+            (psc.run_as_user, psc.fs_group, psc.run_as_group),
+            (Some(1000), Some(2000), Some(65532))
+        );
+        assert_eq!(psc.run_as_non_root, Some(true));
+        let sc = s.containers[0].security_context.as_ref().unwrap();
+        let caps = sc.capabilities.as_ref().unwrap();
+        assert_eq!(
+            caps.add.as_deref(),
+            Some(&["NET_BIND_SERVICE".to_string()][..])
+        );
+        assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
+        assert_eq!(sc.read_only_root_filesystem, Some(false));
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        assert_eq!(s.automount_service_account_token, Some(true));
+
+        let prefill = pod(&p, &intent(&p, Role::Prefill, 0)).unwrap();
+        assert_eq!(
+            restricted_violations(&prefill),
+            ["pod runAsUser 0", "dataplane: runAsNonRoot not true"]
+        );
+    }
+
+    #[test]
+    fn probes_wait_for_model_loading_and_have_explicit_timeouts() {
+        let p = pdd(testutil::spec(1));
+        let pod = pod(&p, &intent(&p, Role::Decode, 0)).unwrap();
+        let c = &pod.spec.unwrap().containers[0];
+        let path = |p: &Probe| p.http_get.as_ref().unwrap().path.clone().unwrap();
+        let shape = |p: &Probe| {
+            (
+                p.period_seconds,
+                p.timeout_seconds,
+                p.failure_threshold,
+                p.initial_delay_seconds,
+            )
+        };
+        // Defaults: probe period 2 s, failure threshold 3, startup timeout 600 s.
+        let startup = c.startup_probe.as_ref().expect("a startup probe");
+        assert_eq!(path(startup), "/health");
+        assert_eq!(shape(startup), (Some(2), Some(2), Some(300), None));
+        let ready = c.readiness_probe.as_ref().unwrap();
+        assert_eq!(path(ready), "/ready");
+        assert_eq!(shape(ready), (Some(2), Some(2), Some(3), None));
+        let live = c.liveness_probe.as_ref().unwrap();
+        assert_eq!(path(live), "/health");
+        assert_eq!(shape(live), (Some(10), Some(5), Some(3), None));
+
+        // The startup window covers the spec's timeout (rounded up to whole periods),
+        // however the period divides it; liveness alone would kill after 30 s.
+        for (timeout, period, threshold) in [(45, 4, 12), (1, 5, 1), (86400, 1, 86400)] {
+            let h = HealthSpec {
+                probe_period_seconds: period,
+                startup_timeout_seconds: timeout,
+                ..HealthSpec::default()
+            };
+            let s = probes(&h).startup;
+            assert_eq!(s.failure_threshold, Some(threshold), "{timeout}/{period}");
+            assert!(period * threshold >= timeout);
+            assert_eq!(s.timeout_seconds, Some(period));
+        }
+    }
+
+    #[test]
+    fn startup_timeout_is_part_of_the_revision() {
+        let mut spec = testutil::spec(1);
+        let r1 = RevisionedSpec::from_spec(&spec).revision();
+        spec.health.startup_timeout_seconds = 1200;
+        assert_ne!(RevisionedSpec::from_spec(&spec).revision(), r1);
     }
 
     #[test]

@@ -2,6 +2,8 @@
 
 use crate::crd::*;
 
+pub mod rbac;
+
 /// A small valid spec with `groups` groups of one prefill and one decode pod.
 pub fn spec(groups: i32) -> PDDeploymentSpec {
     let role = |image: &str| RoleSpec {

@@ -1,6 +1,6 @@
 //! Handshake: compatibility checks and mutual challenge-response authentication with the
-//! group key (rule 1 and rule 11). Pure functions over message values; the transport keeps
-//! the per-peer state and does the sending.
+//! group key (rules 1 and 11 in docs/architecture.md). Pure functions over message values;
+//! the transport keeps the per-peer state and does the sending.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;

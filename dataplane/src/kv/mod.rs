@@ -1,6 +1,7 @@
 //! The KV transfer protocol between prefill and decode processes: pure message codec,
 //! handshake authentication, room state machine and KV chunk validation. No I/O here; the
-//! ZeroMQ transport and the roles live in `crate::pd`.
+//! ZeroMQ transport and the roles live in `crate::pd`. `docs/protocol.md` describes the
+//! protocol for readers of the repository; this header is its source for the framing.
 //!
 //! # Framing
 //!

@@ -2,6 +2,7 @@
 //! small state machine: forward-only progress, sticky terminal states, no resurrection of
 //! ids (finished ids are remembered, bounded), a no-progress deadline per state (rule 7),
 //! and aborts that keep the room's resources until the peer acknowledges (rule 8).
+//! Rule numbers are those of `docs/architecture.md`.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -132,7 +133,7 @@ pub struct Room<T> {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AbortOutcome {
-    /// Unknown or already finished: nothing to do (rule 2).
+    /// Unknown or already finished: nothing to do (docs/architecture.md rule 2).
     NoOp,
     /// Already aborting: nothing new to send.
     AlreadyAborting,

@@ -6,7 +6,7 @@
 //! thread safe). The engine thread and the HTTP tasks talk to the loops only through
 //! bounded channels with non-blocking sends, so no socket I/O ever happens on the engine
 //! thread (rule 10), and the health probe (PING/PONG) runs through the very loop and socket
-//! that carry KV (rule 5).
+//! that carry KV (rule 5). Rule numbers are those of `docs/architecture.md`.
 
 pub mod decode;
 mod peer_loop;

@@ -34,7 +34,8 @@ pub(super) enum Session {
 pub(super) struct DecodeRoom {
     reply: tmpsc::Sender<Result<(), RoomFailure>>,
     /// Delivers the KV into the engine's reserved sequence. Dropped with the room: only
-    /// then does the engine free the reservation (after ABORT_ACK for an abort, rule 8).
+    /// then does the engine free the reservation (after ABORT_ACK for an abort, rule 8 in
+    /// docs/architecture.md).
     kv: tmpsc::Sender<ImportedKv>,
     req: Option<PrefillRequest>,
     prompt_len: usize,
@@ -134,7 +135,8 @@ impl PeerLoop {
                 return;
             }
         };
-        // Rule 4: a new prefill incarnation invalidates everything about the old one.
+        // Rule 4 (docs/architecture.md): a new prefill incarnation invalidates everything
+        // about the old one.
         if let Some(known) = self.known_incarnation()
             && hdr.incarnation != known
         {
@@ -223,7 +225,8 @@ impl PeerLoop {
             }
             Message::AbortAck => {
                 if let Some(r) = self.rooms.abort_acked(env.room) {
-                    drop(r); // the KV buffer is released only now (rule 8)
+                    // The KV buffer is released only now (docs/architecture.md rule 8).
+                    drop(r);
                     self.metrics.kv.room("aborted", "client_abort");
                     tracing::info!(room = env.room, peer = %self.addr, "room aborted and acknowledged");
                 }
@@ -469,7 +472,8 @@ impl PeerLoop {
     }
 
     /// Fail a room: tell the HTTP request, push FAILED to the prefill when it knows the
-    /// room (rule 6), log once with room, peer, incarnation and reason, count.
+    /// room (docs/architecture.md rule 6), log once with room, peer, incarnation and reason,
+    /// count.
     fn fail_room(&mut self, id: u64, code: FailCode, text: &str, tell_peer: bool) {
         let Some(r) = self.rooms.finish(id, RoomState::Failed(code)) else {
             return;

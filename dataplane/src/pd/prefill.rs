@@ -23,8 +23,8 @@ use crate::metrics::Metrics;
 use crate::sampling::{SamplingParams, TokenLogprob};
 use crate::scheduler::{EngineHandle, FailReason, GenEvent, GenerateRequest, Transfer};
 
-/// Most handshakes waiting for AUTH; the oldest is dropped beyond this (rule 11: an
-/// unauthenticated peer gets bounded, short-lived state only).
+/// Most handshakes waiting for AUTH; the oldest is dropped beyond this (rule 11 in
+/// docs/architecture.md: an unauthenticated peer gets bounded, short-lived state only).
 const MAX_PENDING: usize = 256;
 const MAX_SESSIONS: usize = 1024;
 
@@ -274,7 +274,7 @@ impl RouterLoop {
         }
         // A decode that restarted comes back under a new routing id; its old rooms end
         // by their deadlines or by failed sends. The same routing id with a new
-        // incarnation is invalidated here (rule 4).
+        // incarnation is invalidated here (rule 4 in docs/architecture.md).
         if let Some(old) = self.sessions.get(&peer)
             && old.incarnation != env.incarnation
         {
@@ -303,9 +303,9 @@ impl RouterLoop {
         self.reply(&peer, 0, Message::Accepted);
     }
 
-    /// Forget everything about one decode session (rule 4): its rooms fail with the
-    /// reason (FAILED is pushed to the peer, which may be gone), one log line names the
-    /// peer, its incarnation and the reason, and the drop is counted by reason.
+    /// Forget everything about one decode session (docs/architecture.md rule 4): its rooms
+    /// fail with the reason (FAILED is pushed to the peer, which may be gone), one log line
+    /// names the peer, its incarnation and the reason, and the drop is counted by reason.
     fn drop_session(&mut self, peer: &[u8], why: DropReason) {
         let Some(old) = self.sessions.remove(peer) else {
             return;
@@ -554,7 +554,8 @@ impl RouterLoop {
         self.end_room(id, RoomState::Done, "");
     }
 
-    /// Fail a room: push FAILED to its decode at once (rule 6), log once, count.
+    /// Fail a room: push FAILED to its decode at once (docs/architecture.md rule 6), log once,
+    /// count.
     fn fail_room(&mut self, id: u64, code: FailCode, text: &str) {
         let Some(r) = self.rooms.get(id) else {
             return;

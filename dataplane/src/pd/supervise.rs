@@ -1,6 +1,7 @@
-//! Supervision of the socket loops (rule 3): a panic is caught, counted and logged, the
-//! loop's `after_panic` fails the rooms it owned, and the loop runs again. Each loop beats a
-//! heartbeat that `/ready` checks, so a dead or stuck loop turns the process not-ready.
+//! Supervision of the socket loops (rule 3 in docs/architecture.md): a panic is caught,
+//! counted and logged, the loop's `after_panic` fails the rooms it owned, and the loop runs
+//! again. Each loop beats a heartbeat that `/ready` checks, so a dead or stuck loop turns
+//! the process not-ready.
 //!
 //! Test hook: in `cfg(test)` builds only, `LoopHealth::inject` arms a one-shot fault (stall
 //! or panic) that the loop hits at its next `fault_point`, right after a heartbeat. In

@@ -1,5 +1,6 @@
 //! In-process tests of the PD loops with real ZeroMQ sockets: supervision and readiness
-//! (rule 3) and bounded, non-blocking sends (rule 10).
+//! (rule 3) and bounded, non-blocking sends (rule 10); rules as numbered in
+//! `docs/architecture.md`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

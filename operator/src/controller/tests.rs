@@ -102,6 +102,31 @@ fn member(role: Role, incarnation: i64, phase: &str, ready: bool, gate: Option<b
     pod
 }
 
+/// The applied pod, as it goes over the wire: probes with explicit timeouts (a startup
+/// probe covering model loading) and the restricted security defaults.
+fn assert_restricted_with_startup_probe(pod: &Value) {
+    let spec = &pod["spec"];
+    assert_eq!(spec["automountServiceAccountToken"], false);
+    assert_eq!(
+        spec["securityContext"],
+        json!({"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532,
+               "seccompProfile": {"type": "RuntimeDefault"}})
+    );
+    let c = &spec["containers"][0];
+    assert_eq!(
+        c["securityContext"],
+        json!({"allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true,
+               "capabilities": {"drop": ["ALL"]}})
+    );
+    let probe = |path: &str, period: i32, timeout: i32, threshold: i32| {
+        json!({"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+               "timeoutSeconds": timeout, "failureThreshold": threshold})
+    };
+    assert_eq!(c["startupProbe"], probe("/health", 2, 2, 300));
+    assert_eq!(c["readinessProbe"], probe("/ready", 2, 2, 3));
+    assert_eq!(c["livenessProbe"], probe("/health", 10, 5, 3));
+}
+
 type ApiHandle = Handle<Request<Body>, Response<Body>>;
 
 struct MockApi {
@@ -178,11 +203,19 @@ impl MockApi {
             (method, uri.to_string()),
             "unexpected request; body: {body}"
         );
+        let content_type = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_string());
+        // Every request the controller makes is one the chart's RBAC allows.
+        testutil::rbac::assert_allowed(
+            &parts.method,
+            &parts.uri.to_string(),
+            content_type.as_deref(),
+            &body,
+        );
         Seen {
-            content_type: parts
-                .headers
-                .get(http::header::CONTENT_TYPE)
-                .map(|v| v.to_str().unwrap().to_string()),
+            content_type,
             body,
             respond,
         }
@@ -382,6 +415,7 @@ async fn a_new_deployment_gets_its_objects_and_only_the_prefill_pod() {
         assert_eq!(pod["metadata"]["labels"][labels::ROLE], "prefill");
         assert_eq!(pod["metadata"]["labels"][labels::INCARNATION], "1");
         assert_eq!(pod["spec"]["restartPolicy"], "Never");
+        assert_restricted_with_startup_probe(&pod);
         let ev = api.event().await;
         assert_eq!(ev["reason"], "GroupPhaseChanged");
         assert_eq!(ev["type"], "Normal");
@@ -420,7 +454,7 @@ async fn services_and_the_policy_are_applied_every_reconcile_with_the_current_sp
 }
 
 #[tokio::test]
-async fn our_own_secret_created_by_a_racing_reconcile_is_not_an_error() {
+async fn a_secret_that_appears_between_list_and_create_is_a_conflict_never_overwritten() {
     let (result, _) = run(pdd(None), |mut api| async move {
         api.reads(&pdd(None), &[], false).await;
         api.objects().await;
@@ -428,16 +462,17 @@ async fn our_own_secret_created_by_a_racing_reconcile_is_not_an_error() {
             StatusCode::CONFLICT,
             status_error(409, "AlreadyExists", "exists"),
         );
-        api.next(Method::GET, &format!("{SECRETS}/demo-g0-key"))
-            .await
-            .reply(StatusCode::OK, meta_item("demo-g0-key", Some(0)));
-        api.create_pod("demo-g0-i1-p0").await;
-        api.event().await;
+        // No pod without our key.
+        let ev = api.event().await;
+        assert_eq!(ev["reason"], "ObjectConflict");
         api.status().await;
         api.done().await;
     })
     .await;
-    result.unwrap();
+    assert!(matches!(
+        result.unwrap_err(),
+        Error::Conflict { kind: "secret", .. }
+    ));
 }
 
 #[tokio::test]
@@ -497,12 +532,6 @@ async fn a_pod_name_taken_by_another_owner_is_a_conflict_not_an_update() {
             StatusCode::CONFLICT,
             status_error(409, "AlreadyExists", "exists"),
         );
-        api.next(Method::GET, &format!("{PODS}/demo-g0-i1-p0"))
-            .await
-            .reply(
-                StatusCode::OK,
-                owned_by("demo-g0-i1-p0", Some(0), "uid-old"),
-            );
         let ev = api.event().await;
         assert_eq!(ev["reason"], "ObjectConflict");
         api.status().await;
@@ -538,6 +567,7 @@ async fn a_ready_prefill_gets_its_decode() {
             peers["value"],
             "prefill-0.demo-g0-bootstrap.default.svc:5600"
         );
+        assert_restricted_with_startup_probe(&pod);
         let ev = api.event().await;
         assert_eq!(ev["reason"], "GroupPhaseChanged");
         let status = api.status().await;

@@ -148,33 +148,28 @@ impl Env {
         Ok(())
     }
 
-    /// The operator's namespace, ServiceAccount and RBAC (from the chart when it exists,
-    /// else from `tests/e2e/manifests/operator-rbac.yaml`), and a kubeconfig with a token
-    /// of that ServiceAccount.
+    /// The operator's namespace, ServiceAccount and RBAC (rendered from `charts/tandem`),
+    /// and a kubeconfig with a token of that ServiceAccount.
     async fn install_operator_identity(&mut self) -> Result<()> {
         self.kubectl
             .ok(&["create", "namespace", OPERATOR_NAMESPACE])
             .await?;
+        // Only the chart's RBAC: a permission the chart lacks fails the scenarios.
         let chart = repo_root().join("charts/tandem");
-        let rbac = if chart.join("Chart.yaml").exists() {
-            let rendered = crate::proc::run(
-                &self.cluster.bins.helm.display().to_string(),
-                &[
-                    "template",
-                    "tandem",
-                    &chart.display().to_string(),
-                    "--namespace",
-                    OPERATOR_NAMESPACE,
-                ],
-            )
-            .await?;
-            self.rbac_source = "charts/tandem (helm template)".into();
-            rbac_documents(&rendered)?
-        } else {
-            self.rbac_source =
-                "tests/e2e/manifests/operator-rbac.yaml (the chart has not landed)".into();
-            std::fs::read_to_string(repo_root().join("tests/e2e/manifests/operator-rbac.yaml"))?
-        };
+        let rendered = crate::proc::run(
+            &self.cluster.bins.helm.display().to_string(),
+            &[
+                "template",
+                "tandem",
+                &chart.display().to_string(),
+                "--namespace",
+                OPERATOR_NAMESPACE,
+            ],
+        )
+        .await
+        .context("rendering charts/tandem")?;
+        self.rbac_source = "charts/tandem (helm template)".into();
+        let rbac = rbac_documents(&rendered)?;
         self.kubectl.apply(OPERATOR_NAMESPACE, &rbac).await?;
         let token = self
             .kubectl

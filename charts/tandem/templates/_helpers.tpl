@@ -1,0 +1,89 @@
+{{/* Chart name, possibly overridden. */}}
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Base name of every resource: the release name, plus the chart name unless it is
+already part of it. Kept short enough for "-operator-metrics" to fit 63 characters. */}}
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 46 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 46 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 46 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Name of the operator's Deployment, ServiceAccount and RBAC objects. */}}
+{{- define "tandem.operator" -}}
+{{- printf "%s-operator" (include "tandem.fullname" .) -}}
+{{- end -}}
+
+{{- define "tandem.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "tandem.operator" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels of every object. */}}
+{{- define "tandem.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "tandem.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tandem
+{{- end -}}
+
+{{/* Labels that select the operator pods. */}}
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "tandem.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* What the controller calls, and nothing else (docs/install.md maps each rule to its
+call site in operator/src/controller.rs). Server-side apply of an object that does not
+exist yet is authorized as create as well as patch. */}}
+{{- define "tandem.controllerRules" -}}
+- apiGroups: [tandem.dev]
+  resources: [pddeployments]
+  verbs: [get, list, watch]
+- apiGroups: [tandem.dev]
+  resources: [pddeployments/status]
+  verbs: [patch]
+# Owned objects carry blockOwnerDeletion: true, which the OwnerReferencesPermissionEnforcement
+# admission plugin allows only to whoever may update the owner's finalizers.
+- apiGroups: [tandem.dev]
+  resources: [pddeployments/finalizers]
+  verbs: [update]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch, create, patch, delete]
+# The tandem.dev/group-ready readiness gate of decode pods.
+- apiGroups: [""]
+  resources: [pods/status]
+  verbs: [patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [list, watch, create, patch, delete]
+# Group keys: created once per group, never read back through a GET or patched.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [list, watch, create, delete]
+- apiGroups: [events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}
