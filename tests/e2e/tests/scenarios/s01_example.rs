@@ -161,6 +161,21 @@ pub async fn run(env: &Env) -> Result<()> {
             "--wait=true",
         ])
         .await?;
+    // Leave `default` as a user's cluster was before the example: the claim and the
+    // volume the harness provided go once the garbage collector has removed the pods.
+    tandem_e2e::wait::until(
+        "the example's pods to be gone",
+        Duration::from_secs(90),
+        Duration::from_millis(500),
+        || async { Ok(pods(env, ns, &name).await?.is_empty().then_some(())) },
+    )
+    .await?;
+    env.kubectl
+        .ok(&["delete", "pvc", "models", "-n", ns, "--timeout=60s"])
+        .await?;
+    env.kubectl
+        .ok(&["delete", "pv", "e2e-models-default", "--timeout=60s"])
+        .await?;
     op.stop().await?;
     Ok(())
 }

@@ -76,6 +76,8 @@ pub async fn run(env: &Env) -> Result<()> {
         async move {
             let mut args = vec!["auth", "can-i", verb];
             match res.split_once('/') {
+                // A named Lease: kubectl's TYPE/NAME form.
+                Some((r, _)) if r.starts_with("leases") => args.push(res),
                 Some((r, sub)) => args.extend([r, "--subresource", sub]),
                 None => args.push(res),
             }
@@ -95,7 +97,11 @@ pub async fn run(env: &Env) -> Result<()> {
         ("patch", "networkpolicies.networking.k8s.io", "s09"),
         ("create", "secrets", "s09"),
         ("create", "events.events.k8s.io", "s09"),
-        ("update", "leases.coordination.k8s.io", OPERATOR_NAMESPACE),
+        (
+            "update",
+            "leases.coordination.k8s.io/tandem-operator",
+            OPERATOR_NAMESPACE,
+        ),
     ];
     let denied: &[(&str, &str, &str)] = &[
         ("delete", "pddeployments.tandem.dev", "s09"),
@@ -103,7 +109,16 @@ pub async fn run(env: &Env) -> Result<()> {
         ("get", "nodes", "s09"),
         ("create", "deployments.apps", "s09"),
         ("create", "clusterroles.rbac.authorization.k8s.io", "s09"),
-        ("update", "leases.coordination.k8s.io", "s09"),
+        (
+            "update",
+            "leases.coordination.k8s.io/tandem-operator",
+            "s09",
+        ),
+        (
+            "update",
+            "leases.coordination.k8s.io/someone-else",
+            OPERATOR_NAMESPACE,
+        ),
         ("create", "pods/exec", "s09"),
     ];
     for (verb, res, ns) in allowed {
