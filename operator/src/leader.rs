@@ -2,10 +2,15 @@
 //! operator replicas reconciles.
 //!
 //! Protocol (the same as client-go's): the holder renews `renewTime` every
-//! [`ElectionConfig::retry_period`]; another replica takes the lease once
-//! `renewTime + leaseDurationSeconds` has passed. Every write is a replace carrying the
+//! [`ElectionConfig::retry_period`]; another replica takes the lease once it has seen the
+//! lease record unchanged for `leaseDurationSeconds` by its own clock. Expiry is never
+//! judged from `renewTime` itself: that is the holder's clock, and a skewed clock on
+//! either side would let two replicas lead at once. Every write is a replace carrying the
 //! `resourceVersion` that was read, so two replicas racing for an expired lease cannot
 //! both win: the loser gets 409 Conflict and stays standby.
+//!
+//! Every round (read plus write) runs under [`ElectionConfig::renew_deadline`], so a hung
+//! API request cannot keep a deposed leader believing it still leads.
 //!
 //! A leader that cannot renew within [`ElectionConfig::renew_deadline`] (shorter than
 //! the lease duration, so it stops before anyone else may start) considers itself
@@ -13,11 +18,14 @@
 //! restarts it as a fresh standby: simpler and safer than trying to resume a controller
 //! whose caches and in-flight reconciles belong to a term that has ended.
 
+use std::sync::Mutex;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use tokio::sync::watch;
@@ -73,8 +81,32 @@ pub enum Decision {
     },
 }
 
-/// Decide from the lease (if any) and the current time. Pure.
-pub fn decide(lease: Option<&Lease>, me: &str, now: Timestamp) -> Decision {
+/// The parts of a lease record whose change proves that its holder is alive.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Observed {
+    pub holder: String,
+    pub renew_time: Option<Timestamp>,
+    pub acquire_time: Option<Timestamp>,
+    pub transitions: Option<i32>,
+    pub duration_seconds: Option<i32>,
+}
+
+impl Observed {
+    pub fn of(lease: &Lease) -> Observed {
+        let spec = lease.spec.clone().unwrap_or_default();
+        Observed {
+            holder: spec.holder_identity.unwrap_or_default(),
+            renew_time: spec.renew_time.map(|t| t.0),
+            acquire_time: spec.acquire_time.map(|t| t.0),
+            transitions: spec.lease_transitions,
+            duration_seconds: spec.lease_duration_seconds,
+        }
+    }
+}
+
+/// Decide from the lease (if any) and how long ago, by our clock, its record last
+/// changed (`unchanged_for`). Pure.
+pub fn decide(lease: Option<&Lease>, me: &str, unchanged_for: Duration) -> Decision {
     let Some(lease) = lease else {
         return Decision::Create;
     };
@@ -86,20 +118,13 @@ pub fn decide(lease: Option<&Lease>, me: &str, now: Timestamp) -> Decision {
     if holder == me {
         return Decision::Renew;
     }
-    let Some(renewed) = spec.renew_time.or(spec.acquire_time).map(|t| t.0) else {
-        // A holder that never renewed: treat as expired.
-        return Decision::Acquire;
-    };
-    let duration =
-        SignedDuration::from_secs(i64::from(spec.lease_duration_seconds.unwrap_or(0).max(0)));
-    let expiry = renewed.checked_add(duration).unwrap_or(Timestamp::MAX);
-    if expiry <= now {
+    let duration = Duration::from_secs(spec.lease_duration_seconds.unwrap_or(0).max(0) as u64);
+    if unchanged_for >= duration {
         Decision::Acquire
     } else {
-        let left = Duration::try_from(expiry.duration_since(now)).unwrap_or_default();
         Decision::Standby {
             holder,
-            expires_in: left,
+            expires_in: duration - unchanged_for,
         }
     }
 }
@@ -134,6 +159,8 @@ pub fn next_spec(
 pub struct Elector {
     api: Api<Lease>,
     cfg: ElectionConfig,
+    /// The lease record as last read, and when (by our clock) it last changed.
+    observed: Mutex<Option<(Observed, Instant)>>,
 }
 
 impl Elector {
@@ -141,6 +168,25 @@ impl Elector {
         Self {
             api: Api::namespaced(client, &cfg.namespace),
             cfg,
+            observed: Mutex::new(None),
+        }
+    }
+
+    /// Remember `lease` and return how long its record has been unchanged. A record seen
+    /// for the first time counts as just renewed.
+    fn observe(&self, lease: Option<&Lease>) -> Duration {
+        let mut observed = self.observed.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(lease) = lease else {
+            *observed = None;
+            return Duration::ZERO;
+        };
+        let record = Observed::of(lease);
+        match &*observed {
+            Some((seen, at)) if *seen == record => at.elapsed(),
+            _ => {
+                *observed = Some((record, Instant::now()));
+                Duration::ZERO
+            }
         }
     }
 
@@ -153,7 +199,8 @@ impl Elector {
     pub async fn try_acquire_or_renew(&self) -> Result<bool, kube::Error> {
         let now = Timestamp::now();
         let current = self.api.get_opt(&self.cfg.lease_name).await?;
-        let decision = decide(current.as_ref(), &self.cfg.identity, now);
+        let unchanged_for = self.observe(current.as_ref());
+        let decision = decide(current.as_ref(), &self.cfg.identity, unchanged_for);
         let spec = next_spec(
             current.as_ref().and_then(|l| l.spec.as_ref()),
             &decision,
@@ -231,16 +278,20 @@ impl Elector {
         healthy: watch::Sender<Option<std::time::Instant>>,
         mut stop: watch::Receiver<bool>,
     ) -> Outcome {
-        let mut last_renew: Option<std::time::Instant> = None;
+        let mut last_renew: Option<Instant> = None;
         loop {
             if *stop.borrow() {
                 return Outcome::Stopped;
             }
             let was_leader = *leader.borrow();
-            match self.try_acquire_or_renew().await {
+            let round = tokio::time::timeout(self.cfg.renew_deadline, self.try_acquire_or_renew());
+            match round
+                .await
+                .unwrap_or_else(|_| Err(round_timeout(self.cfg.renew_deadline)))
+            {
                 Ok(true) => {
-                    last_renew = Some(std::time::Instant::now());
-                    healthy.send_replace(last_renew);
+                    last_renew = Some(Instant::now());
+                    healthy.send_replace(Some(std::time::Instant::now()));
                     if !was_leader {
                         leader.send_replace(true);
                     }
@@ -270,6 +321,11 @@ impl Elector {
             }
         }
     }
+}
+
+/// A round that did not finish within the renew deadline, as an error like any other.
+fn round_timeout(deadline: Duration) -> kube::Error {
+    kube::Error::Service(format!("leader election round did not finish within {deadline:?}").into())
 }
 
 /// Why [`Elector::run`] returned.
@@ -304,39 +360,95 @@ mod tests {
         }
     }
 
+    const SECS: fn(u64) -> Duration = Duration::from_secs;
+
     #[test]
     fn no_lease_is_created() {
-        assert_eq!(decide(None, "me", at(0)), Decision::Create);
+        assert_eq!(decide(None, "me", Duration::ZERO), Decision::Create);
     }
 
     #[test]
     fn our_lease_is_renewed_even_when_expired() {
         let l = lease(Some("me"), Some(-100), 15);
-        assert_eq!(decide(Some(&l), "me", at(0)), Decision::Renew);
+        assert_eq!(decide(Some(&l), "me", SECS(100)), Decision::Renew);
     }
 
     #[test]
     fn a_live_foreign_lease_means_standby() {
         let l = lease(Some("other"), Some(-5), 15);
         assert_eq!(
-            decide(Some(&l), "me", at(0)),
+            decide(Some(&l), "me", SECS(5)),
             Decision::Standby {
                 holder: "other".into(),
-                expires_in: Duration::from_secs(10)
+                expires_in: SECS(10)
             }
         );
     }
 
     #[test]
+    fn expiry_is_judged_by_our_clock_not_the_holders_renew_time() {
+        // The holder's clock is an hour behind: its renewTime looks ancient, but the
+        // record just changed, so the holder is alive.
+        let skewed = lease(Some("other"), Some(-3600), 15);
+        assert!(matches!(
+            decide(Some(&skewed), "me", SECS(1)),
+            Decision::Standby { .. }
+        ));
+        // The holder's clock is ahead: a renewTime in the future does not keep a dead
+        // holder's lease alive once the record has stood still for the duration.
+        let ahead = lease(Some("other"), Some(3600), 15);
+        assert_eq!(decide(Some(&ahead), "me", SECS(15)), Decision::Acquire);
+    }
+
+    #[test]
     fn an_expired_or_free_lease_is_acquired() {
         let expired = lease(Some("other"), Some(-15), 15);
-        assert_eq!(decide(Some(&expired), "me", at(0)), Decision::Acquire);
+        assert_eq!(decide(Some(&expired), "me", SECS(15)), Decision::Acquire);
         let released = lease(None, Some(-1), 1);
-        assert_eq!(decide(Some(&released), "me", at(0)), Decision::Acquire);
+        assert_eq!(
+            decide(Some(&released), "me", Duration::ZERO),
+            Decision::Acquire
+        );
         let empty = lease(Some(""), Some(0), 15);
-        assert_eq!(decide(Some(&empty), "me", at(0)), Decision::Acquire);
+        assert_eq!(
+            decide(Some(&empty), "me", Duration::ZERO),
+            Decision::Acquire
+        );
         let never_renewed = lease(Some("other"), None, 15);
-        assert_eq!(decide(Some(&never_renewed), "me", at(0)), Decision::Acquire);
+        assert!(matches!(
+            decide(Some(&never_renewed), "me", SECS(3)),
+            Decision::Standby { .. }
+        ));
+        assert_eq!(
+            decide(Some(&never_renewed), "me", SECS(15)),
+            Decision::Acquire
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_record_ages_only_while_it_does_not_change() {
+        let (svc, _handle) = tower_test::mock::pair::<
+            http::Request<kube::client::Body>,
+            http::Response<kube::client::Body>,
+        >();
+        let e = Elector::new(Client::new(svc, "default"), ElectionConfig::new("ns", "me"));
+        let first = lease(Some("other"), Some(0), 15);
+        assert_eq!(
+            e.observe(Some(&first)),
+            Duration::ZERO,
+            "first sight: just renewed"
+        );
+        tokio::time::advance(SECS(10)).await;
+        assert_eq!(e.observe(Some(&first)), SECS(10));
+        let renewed = lease(Some("other"), Some(10), 15);
+        assert_eq!(
+            e.observe(Some(&renewed)),
+            Duration::ZERO,
+            "a renewal resets the age"
+        );
+        tokio::time::advance(SECS(16)).await;
+        assert_eq!(e.observe(Some(&renewed)), SECS(16));
+        assert_eq!(e.observe(None), Duration::ZERO);
     }
 
     #[test]
@@ -428,26 +540,65 @@ mod tests {
             server.await.unwrap();
         }
 
-        #[tokio::test]
-        async fn takes_over_an_expired_lease_with_its_resource_version_and_loses_races() {
+        #[tokio::test(start_paused = true)]
+        async fn takes_over_a_lease_unchanged_for_its_duration_and_loses_races() {
             let (e, mut h) = elector();
             let expired = serde_json::to_value(lease(Some("other"), Some(-3600), 15)).unwrap();
             let server = tokio::spawn(async move {
+                // First sight: the record counts as just renewed; no write.
+                expect(&mut h, Method::GET, LEASE, 200, expired.clone()).await;
+                // Unchanged for the lease duration: take it over with its resourceVersion.
                 expect(&mut h, Method::GET, LEASE, 200, expired.clone()).await;
                 let body =
                     expect(&mut h, Method::PUT, &format!("{LEASE}?"), 200, Value::Null).await;
                 assert_eq!(body["metadata"]["resourceVersion"], "7");
                 assert_eq!(body["spec"]["holderIdentity"], "me-1");
                 assert_eq!(body["spec"]["leaseTransitions"], 4);
-                // Second round: someone else wrote first.
+                // Third round: someone else wrote first.
                 expect(&mut h, Method::GET, LEASE, 200, expired).await;
                 let conflict = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                       "reason": "Conflict", "code": 409});
                 expect(&mut h, Method::PUT, &format!("{LEASE}?"), 409, conflict).await;
             });
+            assert!(!e.try_acquire_or_renew().await.unwrap());
+            tokio::time::advance(Duration::from_secs(15)).await;
             assert!(e.try_acquire_or_renew().await.unwrap());
             assert!(!e.try_acquire_or_renew().await.unwrap());
             server.await.unwrap();
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_leader_whose_rounds_hang_steps_down_within_the_renew_deadline() {
+            let (e, mut h) = elector();
+            let (leader_tx, mut leader_rx) = watch::channel(false);
+            let (ok_tx, _ok_rx) = watch::channel(None);
+            let (_stop_tx, stop_rx) = watch::channel(false);
+            let server = tokio::spawn(async move {
+                expect(&mut h, Method::GET, LEASE, 404, not_found()).await;
+                expect(
+                    &mut h,
+                    Method::POST,
+                    "/apis/coordination.k8s.io/v1/namespaces/ops/leases?",
+                    201,
+                    Value::Null,
+                )
+                .await;
+                // The next read never gets an answer.
+                let (_req, _send) = h.next_request().await.expect("a renewal");
+                std::future::pending::<()>().await;
+            });
+            let run = tokio::spawn(async move { e.run(leader_tx, ok_tx, stop_rx).await });
+            leader_rx.wait_for(|l| *l).await.unwrap();
+            let led = Instant::now();
+            let outcome = run.await.unwrap();
+            assert_eq!(outcome, Outcome::Lost);
+            let cfg = ElectionConfig::new("ops", "me-1");
+            assert!(
+                led.elapsed() <= cfg.retry_period + cfg.renew_deadline,
+                "stepped down after {:?}",
+                led.elapsed()
+            );
+            server.abort();
         }
 
         #[tokio::test]

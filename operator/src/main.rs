@@ -27,6 +27,11 @@ use tokio::sync::{oneshot, watch};
 use tracing::{info, warn};
 use tracing_subscriber::EnvFilter;
 
+/// Longest wait for an answer to one (non-watch) API request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// After a stop signal, longest wait for running reconciles to finish.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum LogFormat {
     Text,
@@ -196,9 +201,16 @@ async fn shutdown_signal() {
 async fn run_controller(args: ControllerArgs) -> anyhow::Result<()> {
     init_tracing(args.log_format);
 
-    let client = Client::try_default()
+    // Two clients: requests time out after REQUEST_TIMEOUT (a hung request must not stall
+    // a reconcile or the election forever); watches keep kube's long read timeout, since
+    // the server holds a quiet watch open for minutes.
+    let config = kube::Config::infer()
         .await
-        .context("building a Kubernetes client")?;
+        .context("loading the Kubernetes client configuration")?;
+    let watch_client = Client::try_from(config.clone()).context("building a Kubernetes client")?;
+    let mut request_config = config;
+    request_config.read_timeout = Some(REQUEST_TIMEOUT);
+    let client = Client::try_from(request_config).context("building a Kubernetes client")?;
     let metrics = Arc::new(Metrics::new());
     let base = args
         .identity
@@ -288,19 +300,48 @@ async fn run_controller(args: ControllerArgs) -> anyhow::Result<()> {
         let _ = ctl_stop_tx.send(());
     });
 
-    let ctx = Arc::new(Context::new(
-        client,
-        metrics.clone(),
-        Reporter {
-            controller: "tandem-operator".into(),
-            instance: Some(identity.clone()),
-        },
-    ));
+    let ctx = Arc::new(
+        Context::new(
+            client,
+            metrics.clone(),
+            Reporter {
+                controller: "tandem-operator".into(),
+                instance: Some(identity.clone()),
+            },
+        )
+        .with_watch_client(watch_client),
+    );
     readiness.set_controller_started(true);
-    let run = controller::run(ctx, args.namespace.as_deref(), async move {
+    let controller = controller::run(ctx, args.namespace.as_deref(), async move {
         let _ = ctl_stop_rx.await;
-    })
-    .await;
+    });
+    // Bounded shutdown: once told to stop, running reconciles get SHUTDOWN_GRACE.
+    let deadline = {
+        let stop = stop_rx.clone();
+        let leader = election.as_ref().map(|(rx, _)| rx.clone());
+        async move {
+            let lost = async {
+                match leader {
+                    Some(mut rx) => {
+                        let _ = rx.wait_for(|l| !*l).await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! {
+                _ = stopped(stop) => {}
+                _ = lost => {}
+            }
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        }
+    };
+    let run = tokio::select! {
+        r = controller => r,
+        _ = deadline => {
+            warn!("reconciles still running {SHUTDOWN_GRACE:?} after the stop: exiting anyway");
+            Ok(())
+        }
+    };
     readiness.set_controller_started(false);
     metrics.is_leader.set(0);
     run.context("running the controller")?;
@@ -317,8 +358,10 @@ async fn run_controller(args: ControllerArgs) -> anyhow::Result<()> {
         if outcome == Outcome::Lost {
             bail!("lost the leader lease; exiting so that the Deployment restarts this replica");
         }
-        if let Err(e) = elector.release().await {
-            warn!("releasing the lease failed (it expires by itself): {e}");
+        match tokio::time::timeout(REQUEST_TIMEOUT, elector.release()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!("releasing the lease failed (it expires by itself): {e}"),
+            Err(_) => warn!("releasing the lease timed out (it expires by itself)"),
         }
     }
     info!("stopped");

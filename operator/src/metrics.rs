@@ -26,6 +26,7 @@ pub struct Metrics {
     pub reconcile_duration_seconds: Histogram,
     pub is_leader: Gauge,
     pub unparsable_pods: Counter,
+    pub force_deleted_pods: Counter,
 }
 
 impl Default for Metrics {
@@ -46,6 +47,7 @@ impl Metrics {
         let reconcile_duration_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 15));
         let is_leader = Gauge::default();
         let unparsable_pods = Counter::default();
+        let force_deleted_pods = Counter::default();
         // Counters get their `_total` suffix from the encoder.
         registry.register(
             "reconciles",
@@ -82,6 +84,11 @@ impl Metrics {
             "Owned pods skipped because their Tandem labels could not be parsed",
             unparsable_pods.clone(),
         );
+        registry.register(
+            "force_deleted_pods",
+            "Pods deleted with grace 0 because they stayed terminating past their grace period (node gone or kubelet hung)",
+            force_deleted_pods.clone(),
+        );
         Self {
             registry,
             reconciles,
@@ -91,6 +98,7 @@ impl Metrics {
             reconcile_duration_seconds,
             is_leader,
             unparsable_pods,
+            force_deleted_pods,
         }
     }
 

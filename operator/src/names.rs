@@ -38,12 +38,27 @@ pub fn prefill_hostname(index: i32) -> String {
 /// Longest name Kubernetes accepts for a Service (a DNS-1035 label) and for a label value.
 pub const MAX_LABEL: usize = 63;
 
-/// Check that every name derived from `deployment` is valid on a cluster for `groups`
-/// groups: the name itself is the client Service's name and a label value (a DNS-1035
-/// label: lowercase letters, digits and '-', starting with a letter, ending with a letter
-/// or digit, at most 63 characters), and `<name>-g<group>-bootstrap`, the longest group
-/// object name, must fit in 63 characters too. The error names the rule that failed.
-pub fn validate_deployment_name(deployment: &str, groups: i32) -> Result<(), String> {
+/// Most groups a deployment may have (the CRD's bound), so that the longest group suffix
+/// is known.
+pub const MAX_GROUPS: i32 = 999;
+
+/// The longest child-name suffix, `-g<MAX_GROUPS - 1>-bootstrap`.
+fn longest_suffix() -> usize {
+    group_service_name("", MAX_GROUPS - 1).len()
+}
+
+/// Longest deployment name whose every child name is valid: the bootstrap Service of its
+/// last possible group must stay a DNS-1035 label (at most 63 characters). The CRD's CEL
+/// rule says the same, so a name is refused the same way at any group count.
+pub const MAX_DEPLOYMENT_NAME: usize = 48;
+
+/// Why `deployment` cannot be a PDDeployment's name: it is the client Service's name, a
+/// label value and the pods' subdomain (a DNS-1035 label: lowercase letters, digits and
+/// '-', starting with a letter, ending with a letter or digit), and
+/// `<name>-g<group>-bootstrap` must fit in 63 characters for every group the CRD allows.
+/// The error names the rule that failed. The CRD's CEL rule says the same to the API
+/// server; this catches objects created before the rule existed and local manifests.
+pub fn validate_deployment_name(deployment: &str) -> Result<(), String> {
     let bad = |why: String| Err(format!("metadata.name {deployment:?}: {why}"));
     if deployment.is_empty() {
         return bad("must not be empty".into());
@@ -63,18 +78,29 @@ pub fn validate_deployment_name(deployment: &str, groups: i32) -> Result<(), Str
     if deployment.ends_with('-') {
         return bad("must end with a letter or a digit (DNS-1035 label)".into());
     }
-    let longest = group_service_name(deployment, groups.max(1) - 1);
-    if longest.len() > MAX_LABEL {
-        let room = MAX_LABEL - (longest.len() - deployment.len());
+    if deployment.len() + longest_suffix() > MAX_LABEL {
         return bad(format!(
-            "is {} characters; with {} group(s) the Service name {longest:?} would be {} \
-             characters (at most {MAX_LABEL}), so the name may have at most {room}",
+            "is {} characters; at most {MAX_DEPLOYMENT_NAME} fit, so that `<name>{}` stays a \
+             {MAX_LABEL}-character Service name",
             deployment.len(),
-            groups.max(1),
-            longest.len()
+            group_service_name("", MAX_GROUPS - 1)
         ));
     }
     Ok(())
+}
+
+/// The group index in `name` if it is `<deployment>-g<group><suffix>` (e.g. `-bootstrap`).
+pub fn group_of(deployment: &str, name: &str, suffix: &str) -> Option<i32> {
+    let digits = name
+        .strip_prefix(deployment)?
+        .strip_prefix("-g")?
+        .strip_suffix(suffix)?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let g: i32 = digits.parse().ok()?;
+    // Canonical spelling only ("g01" is not ours).
+    (g.to_string() == digits).then_some(g)
 }
 
 #[cfg(test)]
@@ -82,31 +108,42 @@ mod tests {
     use super::*;
 
     #[test]
-    fn valid_names_pass() {
-        validate_deployment_name("smollm2", 1).unwrap();
-        validate_deployment_name("a", 100).unwrap();
-        // 63 - len("-g9-bootstrap") = 50
-        validate_deployment_name(&"a".repeat(50), 10).unwrap();
+    fn the_longest_name_leaves_room_for_the_longest_suffix() {
+        assert_eq!(MAX_DEPLOYMENT_NAME + longest_suffix(), MAX_LABEL);
+        let name = "a".repeat(MAX_DEPLOYMENT_NAME);
+        assert!(validate_deployment_name(&name).is_ok());
+        assert_eq!(group_service_name(&name, MAX_GROUPS - 1).len(), MAX_LABEL);
+        let e = validate_deployment_name(&"a".repeat(MAX_DEPLOYMENT_NAME + 1)).unwrap_err();
+        assert!(e.contains("at most 48"), "{e}");
     }
 
     #[test]
     fn names_a_cluster_would_reject_are_refused_with_the_reason() {
-        let e = validate_deployment_name("llama-3.1-8b", 1).unwrap_err();
+        let e = validate_deployment_name("llama-3.1-8b").unwrap_err();
         assert!(e.contains("'.' is not allowed"), "{e}");
-        let e = validate_deployment_name("Demo", 1).unwrap_err();
+        let e = validate_deployment_name("Demo").unwrap_err();
         assert!(e.contains("'D' is not allowed"), "{e}");
-        let e = validate_deployment_name("8b", 1).unwrap_err();
+        let e = validate_deployment_name("de_mo").unwrap_err();
+        assert!(e.contains("'_' is not allowed"), "{e}");
+        let e = validate_deployment_name("8b").unwrap_err();
         assert!(e.contains("start with a lowercase letter"), "{e}");
-        let e = validate_deployment_name("demo-", 1).unwrap_err();
+        let e = validate_deployment_name("demo-").unwrap_err();
         assert!(e.contains("end with a letter or a digit"), "{e}");
-        let e = validate_deployment_name("", 1).unwrap_err();
+        let e = validate_deployment_name("").unwrap_err();
         assert!(e.contains("empty"), "{e}");
-        let long = "a".repeat(60);
-        let e = validate_deployment_name(&long, 1).unwrap_err();
-        assert!(e.contains("at most 50"), "{e}");
-        // The group count is part of the longest name.
-        validate_deployment_name(&"a".repeat(50), 10).unwrap();
-        let e = validate_deployment_name(&"a".repeat(50), 11).unwrap_err();
-        assert!(e.contains("at most 49"), "{e}");
+        validate_deployment_name("llama-3-1-8b").unwrap();
+    }
+
+    #[test]
+    fn group_indexes_are_read_back_from_child_names() {
+        assert_eq!(
+            group_of("demo", "demo-g12-bootstrap", "-bootstrap"),
+            Some(12)
+        );
+        assert_eq!(group_of("demo", "demo-g1-kv", "-kv"), Some(1));
+        assert_eq!(group_of("demo", "demo-g01-kv", "-kv"), None);
+        assert_eq!(group_of("demo", "demo-x-g1-kv", "-kv"), None);
+        assert_eq!(group_of("demo", "demo-g-kv", "-kv"), None);
+        assert_eq!(group_of("demo", "other-g1-kv", "-kv"), None);
     }
 }

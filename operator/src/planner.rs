@@ -83,6 +83,11 @@ pub struct ObservedPod {
     pub not_ready_since: Option<Timestamp>,
     /// Current value of the `tandem.dev/group-ready` condition.
     pub group_ready_gate: bool,
+    /// `deletionTimestamp`: when a terminating pod's grace period ends.
+    pub deletion_deadline: Option<Timestamp>,
+    /// Why the pod is not running yet, when the scheduler or the kubelet said why
+    /// (`Unschedulable: …`, `ImagePullBackOff: …`, `CreateContainerConfigError: …`).
+    pub waiting: Option<String>,
 }
 
 /// The observed cluster: pods and per-group objects the deployment owns.
@@ -168,6 +173,14 @@ pub enum PlannedAction {
         role: Role,
         reason: DeleteReason,
     },
+    /// Remove a pod whose deletion nobody confirmed within its grace period plus
+    /// [`FORCE_DELETE_MARGIN`] (its node is gone or its kubelet hung): delete it with grace
+    /// period 0, so that a co-restart waiting for it can go on.
+    ForceDeletePod {
+        name: String,
+        group: i32,
+        role: Role,
+    },
     /// Patch the decode pod's `tandem.dev/group-ready` status condition.
     SetGroupReadyGate {
         pod: String,
@@ -202,6 +215,11 @@ pub struct Plan {
     /// not-ready member reaches its window).
     pub requeue_after: Option<Duration>,
 }
+
+/// How long past its grace period a terminating pod may linger before it is force-deleted.
+/// A live kubelet removes a pod within its grace period; one that has not after this
+/// margin is on a node that is gone or hung, and would hold its group's co-restart forever.
+pub const FORCE_DELETE_MARGIN: Duration = Duration::from_secs(10);
 
 /// Label selector of the client-facing decode pods.
 pub fn decode_selector(deployment: &str) -> String {
@@ -277,6 +295,21 @@ impl Ctx<'_> {
         }
     }
 
+    /// Revision (and spec) a started group should run. While the rollout is paused, a
+    /// group keeps the revision it has (when its spec is still known): pausing stops the
+    /// rollout where it is and never rolls an updated group back.
+    fn target_for(&self, mem: &GroupStatus) -> (&str, &RevisionedSpec) {
+        if self.input.spec.rollout.paused {
+            if mem.revision == self.update_revision {
+                return (&self.update_revision, &self.update);
+            }
+            if mem.revision == self.current_revision {
+                return (&self.current_revision, &self.current);
+            }
+        }
+        self.target(mem.index)
+    }
+
     fn policy(&self) -> RestartPolicy {
         self.input.spec.restart.policy
     }
@@ -313,9 +346,9 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     let desired_groups = input.spec.groups.max(0);
     let observed = input.observed;
 
-    if !observed.client_service {
-        ctx.actions.push(PlannedAction::ApplyClientService);
-    }
+    // Services and NetworkPolicies are applied on every reconcile: a no-op apply costs
+    // nothing, and drift (a `kubectl edit`, an operator upgrade) is corrected.
+    ctx.actions.push(PlannedAction::ApplyClientService);
 
     // Every group index that is desired, remembered or still has pods.
     let mut indices: BTreeSet<i32> = (0..desired_groups).collect();
@@ -427,16 +460,14 @@ fn group_available(mem: &GroupStatus, triggers: &BTreeMap<i32, Trigger>) -> bool
             .is_none_or(|t| !is_failure(t.reason))
 }
 
+/// The group's Service and NetworkPolicy (applied every time), and its key Secret (created
+/// only when missing: pods may be using the key).
 fn ensure_group_objects(ctx: &mut Ctx<'_>, g: i32) {
     let obs = ctx.input.observed;
-    if !obs.group_services.contains(&g) {
-        ctx.actions
-            .push(PlannedAction::ApplyGroupService { group: g });
-    }
-    if !obs.network_policies.contains(&g) {
-        ctx.actions
-            .push(PlannedAction::ApplyNetworkPolicy { group: g });
-    }
+    ctx.actions
+        .push(PlannedAction::ApplyGroupService { group: g });
+    ctx.actions
+        .push(PlannedAction::ApplyNetworkPolicy { group: g });
     if !obs.group_secrets.contains(&g) {
         ctx.actions
             .push(PlannedAction::CreateGroupSecret { group: g });
@@ -504,17 +535,51 @@ fn remove_in_order(ctx: &mut Ctx<'_>, pods: &[&ObservedPod], reason: DeleteReaso
         if of_role.is_empty() {
             continue;
         }
-        for p in of_role.iter().filter(|p| !p.terminating) {
-            ctx.actions.push(PlannedAction::DeletePod {
-                name: p.name.clone(),
-                group: p.group,
-                role,
-                reason,
-            });
+        for p in &of_role {
+            if p.terminating {
+                force_delete_if_stuck(ctx, p);
+            } else {
+                ctx.actions.push(PlannedAction::DeletePod {
+                    name: p.name.clone(),
+                    group: p.group,
+                    role,
+                    reason,
+                });
+            }
         }
         return false;
     }
     true
+}
+
+/// A terminating pod past its grace period plus [`FORCE_DELETE_MARGIN`] is force-deleted
+/// (and reported); before that, ask to be called again when the margin runs out.
+fn force_delete_if_stuck(ctx: &mut Ctx<'_>, p: &ObservedPod) {
+    let Some(deadline) = p.deletion_deadline else {
+        return;
+    };
+    let limit = add(deadline, FORCE_DELETE_MARGIN);
+    let now = ctx.input.now;
+    if now < limit {
+        ctx.requeue_in(until(now, limit));
+        return;
+    }
+    ctx.actions.push(PlannedAction::ForceDeletePod {
+        name: p.name.clone(),
+        group: p.group,
+        role: p.role,
+    });
+    ctx.event(
+        EventKind::Warning,
+        "PodForceDeleted",
+        p.group,
+        format!(
+            "{} pod {} is still terminating {}s after its grace period ended (its node is gone or its kubelet hung): deleted with grace period 0",
+            p.role.as_str(),
+            p.name,
+            until(deadline, now).as_secs()
+        ),
+    );
 }
 
 /// Look for a reason to co-restart a started group (pods of its incarnation exist or
@@ -599,7 +664,7 @@ fn find_trigger(ctx: &Ctx<'_>, mem: &GroupStatus, pods: &[&ObservedPod]) -> Opti
             });
         }
     }
-    let (target_rev, _) = ctx.target(mem.index);
+    let (target_rev, _) = ctx.target_for(mem);
     if mem.revision != target_rev {
         return Some(Trigger {
             reason: CoRestartReason::RevisionChanged,
@@ -693,20 +758,19 @@ fn co_restart(ctx: &mut Ctx<'_>, mem: &mut GroupStatus, t: &Trigger) -> bool {
         && let Some(after) = &mem.next_restart_after
         && after.0 > now
     {
-        let wait = until(now, after.0);
+        // No countdown in the message: it would change the status on every reconcile.
+        // `nextRestartAfter` says when.
         mem.message = Some(format!(
-            "co-restart ({}) held back by backoff for {}s: {}",
-            t.reason,
-            wait.as_secs(),
-            t.detail
+            "co-restart ({}) held back by backoff until {}: {}",
+            t.reason, after.0, t.detail
         ));
-        ctx.requeue_in(wait);
+        ctx.requeue_in(until(now, after.0));
         return false;
     }
 
     let old = mem.incarnation;
     let new = old + 1;
-    let (rev, _) = ctx.target(g);
+    let (rev, _) = ctx.target_for(mem);
     let rev = rev.to_string();
     let type_ = if is_failure(t.reason) {
         EventKind::Warning
@@ -857,6 +921,18 @@ fn build_group(
     } else {
         GroupPhase::StartingDecode
     };
+    if !all_ready
+        && mem.message.is_none()
+        && let Some(p) = pods.iter().find(|p| p.waiting.is_some())
+    {
+        // What the scheduler or the kubelet said about a member that does not run.
+        mem.message = Some(format!(
+            "{} pod {}: {}",
+            p.role.as_str(),
+            p.name,
+            p.waiting.as_deref().unwrap_or_default()
+        ));
+    }
     if all_ready {
         if mem.ready_since.is_none() {
             mem.ready_since = Some(Time(now));

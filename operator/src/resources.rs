@@ -525,7 +525,10 @@ pub fn client_service(pdd: &PDDeployment) -> Result<Service, BuildError> {
 }
 
 /// The headless bootstrap Service of a group: its prefill pods' DNS names
-/// (`prefill-<k>.<service>.<ns>.svc`), published only while they are Ready.
+/// (`prefill-<k>.<service>.<ns>.svc`). Published whether or not the prefill is Ready:
+/// readiness is judged by the decode's channel probe and the operator's window, and a
+/// name that vanished with a brief not-ready would break the decode's reconnects and turn
+/// a blip into a co-restart.
 pub fn group_service(pdd: &PDDeployment, group: i32) -> Result<Service, BuildError> {
     let name = pdd.name_any();
     Ok(Service {
@@ -541,7 +544,7 @@ pub fn group_service(pdd: &PDDeployment, group: i32) -> Result<Service, BuildErr
                 service_port(KV_PORT_NAME, pdd.spec.transfer.kv_port),
                 service_port(HTTP_PORT_NAME, pdd.spec.transfer.http_port),
             ]),
-            publish_not_ready_addresses: Some(false),
+            publish_not_ready_addresses: Some(true),
             ..Default::default()
         }),
         status: None,
@@ -966,7 +969,7 @@ mod tests {
         assert_eq!(g.metadata.labels.as_ref().unwrap()[labels::GROUP], "1");
         let s = g.spec.unwrap();
         assert_eq!(s.cluster_ip.as_deref(), Some("None"));
-        assert_eq!(s.publish_not_ready_addresses, Some(false));
+        assert_eq!(s.publish_not_ready_addresses, Some(true));
         assert_eq!(s.selector.unwrap(), role_selector("demo", 1, Role::Prefill));
         let ports: Vec<_> = s
             .ports

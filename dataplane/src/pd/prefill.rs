@@ -138,10 +138,11 @@ pub fn start(
         rooms_open: rooms_open.clone(),
     };
     let body = RouterLoop::new(config, health.clone());
-    let thread = supervise(body, health.clone(), metrics).map_err(|source| crate::Error::Thread {
-        name: "KV loop".into(),
-        source,
-    })?;
+    let thread =
+        supervise(body, health.clone(), metrics).map_err(|source| crate::Error::Thread {
+            name: "KV loop".into(),
+            source,
+        })?;
     let threads = LoopThreads::default();
     threads.push(health.name.clone(), thread);
     Ok(PrefillHandle {

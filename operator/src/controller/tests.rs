@@ -5,8 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode};
-use k8s_openapi::api::core::v1::{Pod, PodCondition, PodStatus};
+use k8s_openapi::api::core::v1::{
+    ContainerState, ContainerStateWaiting, ContainerStatus, Pod, PodCondition, PodStatus,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::SignedDuration;
 use k8s_openapi::jiff::Timestamp;
 use kube::client::Body;
 use kube::runtime::events::Reporter;
@@ -24,6 +27,7 @@ const NAME: &str = "demo";
 const PDD_PATH: &str = "/apis/tandem.dev/v1alpha1/namespaces/default/pddeployments/demo";
 const SELECTOR: &str = "?&labelSelector=tandem.dev%2Fdeployment%3Ddemo";
 const APPLY: &str = "?&force=true&fieldManager=tandem-operator";
+const GATE: &str = "?&fieldManager=tandem-operator";
 const PODS: &str = "/api/v1/namespaces/default/pods";
 const SERVICES: &str = "/api/v1/namespaces/default/services";
 const POLICIES: &str = "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies";
@@ -158,13 +162,26 @@ fn list(kind: &str, items: Vec<Value>) -> Value {
 }
 
 fn meta_item(name: &str, group: Option<i32>) -> Value {
+    owned_by(name, group, "uid-demo")
+}
+
+/// Metadata of an object named `name` whose controller owner has `uid`.
+fn owned_by(name: &str, group: Option<i32>, uid: &str) -> Value {
     let mut labels = json!({labels::DEPLOYMENT: NAME, labels::MANAGED_BY: labels::MANAGER,
                             labels::PORTS: "8000-5600"});
     if let Some(g) = group {
         labels[labels::GROUP] = json!(g.to_string());
     }
     json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
-           "metadata": {"name": name, "namespace": NS, "labels": labels}})
+           "metadata": {"name": name, "namespace": NS, "labels": labels,
+                        "ownerReferences": [{"apiVersion": "tandem.dev/v1alpha1",
+                            "kind": "PDDeployment", "name": NAME, "uid": uid,
+                            "controller": true, "blockOwnerDeletion": true}]}})
+}
+
+fn status_error(code: u16, reason: &str, message: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+           "reason": reason, "code": code, "message": message})
 }
 
 impl MockApi {
@@ -206,6 +223,18 @@ impl MockApi {
 
     /// The reads every reconcile starts with: the deployment, then what it owns.
     async fn reads(&mut self, pdd: &PDDeployment, pods: &[Pod], objects_exist: bool) {
+        self.reads_with(pdd, pods, objects_exist, vec![]).await
+    }
+
+    /// Same, with `extra` metadata items appended to the Service, NetworkPolicy and Secret
+    /// lists (each goes to the list whose kind its name's suffix says).
+    async fn reads_with(
+        &mut self,
+        pdd: &PDDeployment,
+        pods: &[Pod],
+        objects_exist: bool,
+        extra: Vec<Value>,
+    ) {
         self.next(Method::GET, PDD_PATH)
             .await
             .reply(StatusCode::OK, serde_json::to_value(pdd).unwrap());
@@ -217,21 +246,54 @@ impl MockApi {
             .await
             .reply(StatusCode::OK, list("PodList", pods));
         let items = |v: Vec<Value>| if objects_exist { v } else { vec![] };
-        let lists = [
-            (
-                SERVICES,
-                items(vec![
-                    meta_item(NAME, None),
-                    meta_item("demo-g0-bootstrap", Some(0)),
-                ]),
-            ),
-            (POLICIES, items(vec![meta_item("demo-g0-kv", Some(0))])),
-            (SECRETS, items(vec![meta_item("demo-g0-key", Some(0))])),
-        ];
-        for (path, items) in lists {
-            let seen = self.next(Method::GET, &format!("{path}{SELECTOR}")).await;
+        let of = |suffix: &str| -> Vec<Value> {
+            extra
+                .iter()
+                .filter(|e| {
+                    let n = e["metadata"]["name"].as_str().unwrap();
+                    if suffix.is_empty() {
+                        !n.ends_with("-kv") && !n.ends_with("-key")
+                    } else {
+                        n.ends_with(suffix)
+                    }
+                })
+                .cloned()
+                .collect()
+        };
+        let mut svcs = items(vec![
+            meta_item(NAME, None),
+            meta_item("demo-g0-bootstrap", Some(0)),
+        ]);
+        svcs.extend(of(""));
+        // Objects of other deployments in the namespace are ignored.
+        svcs.push(owned_by("unrelated", None, "uid-other"));
+        let mut pols = items(vec![meta_item("demo-g0-kv", Some(0))]);
+        pols.extend(of("-kv"));
+        let mut secrets = items(vec![meta_item("demo-g0-key", Some(0))]);
+        secrets.extend(of("-key"));
+        for (path, items) in [(SERVICES, svcs), (POLICIES, pols), (SECRETS, secrets)] {
+            let seen = self.next(Method::GET, &format!("{path}?")).await;
             seen.reply(StatusCode::OK, list("PartialObjectMetadataList", items));
         }
+    }
+
+    /// The Services and the NetworkPolicy every reconcile applies, in the planner's order.
+    async fn objects(&mut self) {
+        self.apply(SERVICES, NAME).await;
+        self.apply(SERVICES, "demo-g0-bootstrap").await;
+        self.apply(POLICIES, "demo-g0-kv").await;
+    }
+
+    /// A pod creation (POST); returns its body.
+    async fn create_pod(&mut self, name: &str) -> Value {
+        let seen = self.next(Method::POST, &format!("{PODS}?")).await;
+        let body = seen.body.clone();
+        assert_eq!(body["metadata"]["name"], name);
+        let owner = &body["metadata"]["ownerReferences"][0];
+        assert_eq!(owner["uid"], "uid-demo");
+        assert_eq!(owner["controller"], true);
+        seen.echo();
+        body
     }
 
     /// A server-side apply of `path`/`name`; returns its body.
@@ -339,13 +401,17 @@ async fn a_new_deployment_gets_its_objects_and_only_the_prefill_pod() {
         assert_eq!(svc["spec"]["selector"][labels::ROLE], "decode");
         let bootstrap = api.apply(SERVICES, "demo-g0-bootstrap").await;
         assert_eq!(bootstrap["spec"]["clusterIP"], "None");
+        assert_eq!(
+            bootstrap["spec"]["publishNotReadyAddresses"], true,
+            "a prefill that is briefly not ready keeps its DNS name"
+        );
         api.apply(POLICIES, "demo-g0-kv").await;
         let secret = api.next(Method::POST, &format!("{SECRETS}?")).await;
         assert_eq!(secret.body["metadata"]["name"], "demo-g0-key");
         let key = secret.body["data"]["key"].as_str().unwrap().to_string();
         assert!(!key.is_empty());
         secret.echo();
-        let pod = api.apply(PODS, "demo-g0-i1-p0").await;
+        let pod = api.create_pod("demo-g0-i1-p0").await;
         assert_eq!(pod["metadata"]["labels"][labels::ROLE], "prefill");
         assert_eq!(pod["metadata"]["labels"][labels::INCARNATION], "1");
         assert_eq!(pod["spec"]["restartPolicy"], "Never");
@@ -365,19 +431,20 @@ async fn a_new_deployment_gets_its_objects_and_only_the_prefill_pod() {
 }
 
 #[tokio::test]
-async fn a_port_change_re_applies_services_and_network_policy_but_not_the_secret() {
+async fn services_and_the_policy_are_applied_every_reconcile_with_the_current_spec() {
+    // The objects exist (built for the old ports, or edited by someone): they are applied
+    // again anyway, which restores them; the Secret is not touched.
     let mut changed = pdd(None);
     changed.spec.transfer.kv_port = 5601;
     let (result, _) = run(changed.clone(), |mut api| async move {
-        // The objects exist, labelled for ports 8000-5600.
         api.reads(&changed, &[], true).await;
         let svc = api.apply(SERVICES, NAME).await;
         assert_eq!(svc["metadata"]["labels"][labels::PORTS], "8000-5601");
         let bootstrap = api.apply(SERVICES, "demo-g0-bootstrap").await;
         assert_eq!(bootstrap["spec"]["ports"][0]["port"], 5601);
         let policy = api.apply(POLICIES, "demo-g0-kv").await;
-        assert_eq!(policy["metadata"]["labels"][labels::PORTS], "8000-5601");
-        api.apply(PODS, "demo-g0-i1-p0").await;
+        assert_eq!(policy["spec"]["ingress"][0]["ports"][0]["port"], 5601);
+        api.create_pod("demo-g0-i1-p0").await;
         api.event().await;
         api.status().await;
         api.done().await;
@@ -387,24 +454,94 @@ async fn a_port_change_re_applies_services_and_network_policy_but_not_the_secret
 }
 
 #[tokio::test]
-async fn an_existing_secret_is_not_an_error() {
+async fn a_secret_that_appears_between_list_and_create_is_a_conflict_never_overwritten() {
     let (result, _) = run(pdd(None), |mut api| async move {
         api.reads(&pdd(None), &[], false).await;
-        api.apply(SERVICES, NAME).await;
-        api.apply(SERVICES, "demo-g0-bootstrap").await;
-        api.apply(POLICIES, "demo-g0-kv").await;
+        api.objects().await;
         api.next(Method::POST, &format!("{SECRETS}?")).await.reply(
             StatusCode::CONFLICT,
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                   "reason": "AlreadyExists", "code": 409, "message": "exists"}),
+            status_error(409, "AlreadyExists", "exists"),
         );
-        api.apply(PODS, "demo-g0-i1-p0").await;
-        api.event().await;
+        // No pod without our key.
+        let ev = api.event().await;
+        assert_eq!(ev["reason"], "ObjectConflict");
         api.status().await;
         api.done().await;
     })
     .await;
-    result.unwrap();
+    assert!(matches!(
+        result.unwrap_err(),
+        Error::Conflict { kind: "secret", .. }
+    ));
+}
+
+#[tokio::test]
+async fn objects_of_another_owner_with_our_names_are_never_taken_over() {
+    // A deployment of the same name was deleted a moment ago: its Secret and pod are
+    // still there, owned by the old UID. They are not counted as ours, not written, and
+    // the conflict is reported; the pod is not created while the Secret is not ours.
+    let old_pod = {
+        let mut p = member(Role::Prefill, 1, "Running", true, None);
+        p.metadata.owner_references.as_mut().unwrap()[0].uid = "uid-old".into();
+        p
+    };
+    let (result, _) = run(pdd(None), |mut api| async move {
+        api.reads_with(
+            &pdd(None),
+            &[old_pod],
+            false,
+            vec![owned_by("demo-g0-key", Some(0), "uid-old")],
+        )
+        .await;
+        api.objects().await;
+        // No POST of the Secret, no pod: a Warning, and the status says why.
+        let ev = api.event().await;
+        assert_eq!(ev["reason"], "ObjectConflict");
+        assert_eq!(ev["type"], "Warning");
+        let note = ev["note"].as_str().unwrap();
+        assert!(
+            note.contains("secret demo-g0-key") && note.contains("uid-old"),
+            "{note}"
+        );
+        let status = api.status().await;
+        let d = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == conditions::DEGRADED)
+            .unwrap();
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str()),
+            ("True", "ObjectConflict")
+        );
+        // The old pod is not ours: the group starts from scratch.
+        assert_eq!(status.group_statuses[0].incarnation, 1);
+        assert!(status.group_statuses[0].pods.is_empty());
+        api.done().await;
+    })
+    .await;
+    let err = result.unwrap_err();
+    assert_eq!(err.metric_label(), "object_conflict");
+}
+
+#[tokio::test]
+async fn a_pod_name_taken_by_another_owner_is_a_conflict_not_an_update() {
+    let (result, _) = run(pdd(None), |mut api| async move {
+        api.reads(&pdd(None), &[], true).await;
+        api.objects().await;
+        api.next(Method::POST, &format!("{PODS}?")).await.reply(
+            StatusCode::CONFLICT,
+            status_error(409, "AlreadyExists", "exists"),
+        );
+        let ev = api.event().await;
+        assert_eq!(ev["reason"], "ObjectConflict");
+        api.status().await;
+        api.done().await;
+    })
+    .await;
+    assert!(matches!(
+        result.unwrap_err(),
+        Error::Conflict { kind: "pod", .. }
+    ));
 }
 
 #[tokio::test]
@@ -414,7 +551,8 @@ async fn a_ready_prefill_gets_its_decode() {
     let trigger = pdd(Some(prev.clone()));
     let (result, _) = run(trigger.clone(), |mut api| async move {
         api.reads(&trigger, &[prefill], true).await;
-        let pod = api.apply(PODS, "demo-g0-i1-d0").await;
+        api.objects().await;
+        let pod = api.create_pod("demo-g0-i1-d0").await;
         assert_eq!(pod["metadata"]["labels"][labels::ROLE], "decode");
         assert_eq!(
             pod["spec"]["readinessGates"],
@@ -446,6 +584,7 @@ async fn a_prefill_that_is_not_ready_gets_no_decode() {
     let trigger = pdd(Some(status_after(None, &[])));
     let (result, _) = run(trigger.clone(), |mut api| async move {
         api.reads(&trigger, &[prefill], true).await;
+        api.objects().await;
         api.status().await;
         api.done().await;
     })
@@ -471,13 +610,14 @@ async fn a_failed_decode_co_restarts_the_group_decode_first() {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (result, metrics) = run(trigger.clone(), |mut api| async move {
         api.reads(&trigger, &pods, true).await;
+        api.objects().await;
         let ev = api.event().await;
         assert_eq!(ev["reason"], "MemberFailed");
         assert_eq!(ev["type"], "Warning");
         assert_eq!(ev["action"], "CoRestart");
         assert!(ev["note"].as_str().unwrap().contains("group 0"));
         let gate = api
-            .next(Method::PATCH, &format!("{PODS}/demo-g0-i1-d0/status?"))
+            .next(Method::PATCH, &format!("{PODS}/demo-g0-i1-d0/status{GATE}"))
             .await;
         assert_eq!(
             gate.content_type.as_deref(),
@@ -514,6 +654,7 @@ async fn a_failed_decode_co_restarts_the_group_decode_first() {
     let trigger = pdd(Some(restarted));
     let (result, metrics) = run(trigger.clone(), |mut api| async move {
         api.reads(&trigger, &[prefill], true).await;
+        api.objects().await;
         api.next(Method::DELETE, &format!("{PODS}/demo-g0-i1-p0?"))
             .await
             .reply(
@@ -533,26 +674,94 @@ async fn a_failed_decode_co_restarts_the_group_decode_first() {
 }
 
 #[tokio::test]
-async fn an_api_error_still_persists_the_status_and_is_counted() {
+async fn a_pod_stuck_terminating_on_a_lost_node_is_force_deleted() {
+    // A co-restart is under way (incarnation 2) and the old decode's deletion was never
+    // confirmed: its grace period ended long ago.
     let prefill = member(Role::Prefill, 1, "Running", true, None);
-    let trigger = pdd(Some(status_after(None, &[])));
+    let decode_ready = member(Role::Decode, 1, "Running", true, Some(true));
+    let s1 = status_after(None, &[]);
+    let s2 = status_after(Some(&s1), std::slice::from_ref(&prefill));
+    let ready = status_after(Some(&s2), &[prefill.clone(), decode_ready]);
+    let mut restarting = ready.clone();
+    let g = &mut restarting.group_statuses[0];
+    g.incarnation = 2;
+    g.phase = GroupPhase::Restarting;
+    let mut stuck = member(Role::Decode, 1, "Running", true, Some(false));
+    let grace_end = now()
+        .checked_sub(planner::FORCE_DELETE_MARGIN + Duration::from_secs(1))
+        .unwrap();
+    stuck.metadata.deletion_timestamp = Some(Time(grace_end));
+    let trigger = pdd(Some(restarting));
     let (result, metrics) = run(trigger.clone(), |mut api| async move {
-        api.reads(&trigger, &[prefill], true).await;
-        api.next(Method::PATCH, &format!("{PODS}/demo-g0-i1-d0{APPLY}"))
-            .await
-            .reply(
-                StatusCode::FORBIDDEN,
-                json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                       "reason": "Forbidden", "code": 403, "message": "quota"}),
-            );
+        api.reads(&trigger, &[prefill, stuck], true).await;
+        api.objects().await;
+        let del = api
+            .next(Method::DELETE, &format!("{PODS}/demo-g0-i1-d0?"))
+            .await;
+        assert_eq!(del.body["gracePeriodSeconds"], 0);
+        del.reply(
+            StatusCode::OK,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 200}),
+        );
+        let ev = api.event().await;
+        assert_eq!(ev["reason"], "PodForceDeleted");
+        assert_eq!(ev["type"], "Warning");
         api.status().await;
         api.done().await;
+    })
+    .await;
+    result.unwrap();
+    assert!(
+        metrics
+            .encode()
+            .contains("tandem_operator_force_deleted_pods_total 1")
+    );
+}
+
+#[tokio::test]
+async fn an_api_error_reaches_the_status_and_an_event_once() {
+    let prefill = member(Role::Prefill, 1, "Running", true, None);
+    let trigger = pdd(Some(status_after(None, &[])));
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let p2 = prefill.clone();
+    let (result, metrics) = run(trigger.clone(), |mut api| async move {
+        api.reads(&trigger, &[prefill], true).await;
+        api.objects().await;
+        api.next(Method::POST, &format!("{PODS}?")).await.reply(
+            StatusCode::FORBIDDEN,
+            status_error(403, "Forbidden", "exceeded quota: pods=10"),
+        );
+        let ev = api.event().await;
+        assert_eq!(ev["reason"], "ApplyFailed");
+        assert_eq!(ev["type"], "Warning");
+        assert!(
+            ev["note"].as_str().unwrap().contains("exceeded quota"),
+            "{ev}"
+        );
+        let status = api.status().await;
+        let d = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == conditions::DEGRADED)
+            .unwrap();
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str()),
+            ("True", "ApplyFailed")
+        );
+        assert!(
+            d.message
+                .contains("creating pod demo-g0-i1-d0: exceeded quota: pods=10 (403 Forbidden)"),
+            "{}",
+            d.message
+        );
+        api.done().await;
+        tx.send(status).unwrap();
     })
     .await;
     let err = result.unwrap_err();
     assert_eq!(err.metric_label(), "forbidden");
     assert!(
-        err.to_string().contains("applying pod demo-g0-i1-d0"),
+        err.to_string().contains("creating pod demo-g0-i1-d0"),
         "{err}"
     );
     let ctx = context().0;
@@ -566,17 +775,41 @@ async fn an_api_error_still_persists_the_status_and_is_counted() {
             .contains("tandem_operator_reconcile_errors_total{reason=\"forbidden\"} 2")
     );
     drop(metrics);
+
+    // The same failure again: the status says it still, but no second Event.
+    let trigger = pdd(Some(rx.await.unwrap()));
+    let (result, _) = run(trigger.clone(), |mut api| async move {
+        api.reads(&trigger, &[p2], true).await;
+        api.objects().await;
+        api.next(Method::POST, &format!("{PODS}?")).await.reply(
+            StatusCode::FORBIDDEN,
+            status_error(403, "Forbidden", "exceeded quota: pods=10"),
+        );
+        let status = api.status().await;
+        let d = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == conditions::DEGRADED)
+            .unwrap();
+        assert_eq!(d.reason, "ApplyFailed");
+        api.done().await;
+    })
+    .await;
+    assert!(result.is_err());
 }
 
 #[tokio::test]
-async fn an_invalid_restart_annotation_warns_and_degrades() {
+async fn an_invalid_restart_annotation_warns_once_and_degrades() {
     let mut trigger = pdd(Some(status_after(None, &[])));
     trigger
         .annotations_mut()
         .insert(annotations::RESTART_REQUESTED_AT.into(), "yesterday".into());
     let prefill = member(Role::Prefill, 1, "Running", false, None);
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (t2, p2) = (trigger.clone(), prefill.clone());
     let (result, _) = run(trigger.clone(), |mut api| async move {
         api.reads(&trigger, &[prefill], true).await;
+        api.objects().await;
         let ev = api.event().await;
         assert_eq!(ev["reason"], "InvalidRestartRequest");
         assert_eq!(ev["type"], "Warning");
@@ -590,9 +823,59 @@ async fn an_invalid_restart_annotation_warns_and_degrades() {
         assert_eq!(degraded.reason, "InvalidRestartRequest");
         assert!(degraded.message.contains("yesterday"));
         api.done().await;
+        tx.send(status).unwrap();
     })
     .await;
     result.unwrap();
+    // Next reconcile, same value: no second Event.
+    let mut again = t2;
+    again.status = Some(rx.await.unwrap());
+    let (result, _) = run(again.clone(), |mut api| async move {
+        api.reads(&again, &[p2], true).await;
+        api.objects().await;
+        api.status().await;
+        api.done().await;
+    })
+    .await;
+    result.unwrap();
+}
+
+#[tokio::test]
+async fn a_name_that_cannot_make_child_names_is_reported_not_retried() {
+    let mut bad = pdd(None);
+    bad.metadata.name = Some("llama-3.1-8b".into());
+    let path = "/apis/tandem.dev/v1alpha1/namespaces/default/pddeployments/llama-3.1-8b";
+    let (result, _) = run(bad.clone(), |mut api| async move {
+        api.next(Method::GET, path)
+            .await
+            .reply(StatusCode::OK, serde_json::to_value(&bad).unwrap());
+        // No list, no child: a Warning and the status.
+        let ev = api.next(Method::POST, &format!("{EVENTS}?")).await;
+        assert_eq!(ev.body["reason"], "InvalidName");
+        assert_eq!(ev.body["type"], "Warning");
+        ev.echo();
+        let seen = api
+            .next(Method::PATCH, &format!("{path}/status{APPLY}"))
+            .await;
+        let status: PDDeploymentStatus =
+            serde_json::from_value(seen.body["status"].clone()).unwrap();
+        let d = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == conditions::DEGRADED)
+            .unwrap();
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str()),
+            ("True", "InvalidName")
+        );
+        assert!(d.message.contains("DNS-1035"), "{}", d.message);
+        let mut obj = serde_json::to_value(&bad).unwrap();
+        obj["status"] = seen.body["status"].clone();
+        seen.reply(StatusCode::OK, obj);
+        api.done().await;
+    })
+    .await;
+    assert_eq!(result.unwrap(), Action::await_change());
 }
 
 #[tokio::test]
@@ -641,6 +924,92 @@ fn pod_observation_reads_phase_readiness_and_gate() {
     let ready = observe_pod(&member(Role::Prefill, 1, "Running", true, None)).unwrap();
     assert!(ready.ready && !ready.group_ready_gate);
     assert_eq!(ready.not_ready_since, None);
+}
+
+#[test]
+fn a_pod_on_a_lost_node_is_not_ready_though_its_containers_were() {
+    // The node lifecycle controller turns only `Ready` False (keeping its old, empty
+    // reason); `ContainersReady` stays True because nobody updates it any more.
+    let mut pod = member(Role::Prefill, 1, "Running", true, None);
+    let later = now().checked_add(SignedDuration::from_secs(40)).unwrap();
+    pod.status
+        .as_mut()
+        .unwrap()
+        .conditions
+        .as_mut()
+        .unwrap()
+        .push(PodCondition {
+            type_: "Ready".into(),
+            status: "False".into(),
+            last_transition_time: Some(Time(later)),
+            ..Default::default()
+        });
+    let o = observe_pod(&pod).unwrap();
+    assert!(!o.ready);
+    assert_eq!(o.not_ready_since, Some(later));
+
+    // A decode held only by its readiness gate (the kubelet's own reason) is ready: the
+    // gate is the operator's to open.
+    let mut pod = member(Role::Decode, 1, "Running", true, Some(false));
+    pod.status
+        .as_mut()
+        .unwrap()
+        .conditions
+        .as_mut()
+        .unwrap()
+        .push(PodCondition {
+            type_: "Ready".into(),
+            status: "False".into(),
+            reason: Some("ReadinessGatesNotReady".into()),
+            ..Default::default()
+        });
+    assert!(observe_pod(&pod).unwrap().ready);
+}
+
+#[test]
+fn why_a_pod_does_not_run_is_read_from_the_scheduler_and_the_kubelet() {
+    let mut pod = member(Role::Prefill, 1, "Pending", false, None);
+    pod.status
+        .as_mut()
+        .unwrap()
+        .conditions
+        .as_mut()
+        .unwrap()
+        .push(PodCondition {
+            type_: "PodScheduled".into(),
+            status: "False".into(),
+            reason: Some("Unschedulable".into()),
+            message: Some("0/2 nodes are available: 2 Insufficient cpu.".into()),
+            ..Default::default()
+        });
+    assert_eq!(
+        observe_pod(&pod).unwrap().waiting.as_deref(),
+        Some("Unschedulable: 0/2 nodes are available: 2 Insufficient cpu.")
+    );
+    let waiting = |reason: &str| {
+        let mut pod = member(Role::Decode, 1, "Pending", false, None);
+        pod.status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
+            name: "dataplane".into(),
+            state: Some(ContainerState {
+                waiting: Some(ContainerStateWaiting {
+                    reason: Some(reason.into()),
+                    message: Some("details".into()),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }]);
+        observe_pod(&pod).unwrap().waiting
+    };
+    assert_eq!(
+        waiting("ImagePullBackOff").as_deref(),
+        Some("ImagePullBackOff: details")
+    );
+    assert_eq!(
+        waiting("ContainerCreating"),
+        None,
+        "the normal wait says nothing"
+    );
 }
 
 #[test]

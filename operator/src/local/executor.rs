@@ -289,6 +289,7 @@ impl<P: Processes> Executor<P> {
             PlannedAction::DeletePod {
                 name, role, reason, ..
             } => self.delete(name, *role, &delete_reason(*reason), now),
+            PlannedAction::ForceDeletePod { name, .. } => self.force_delete(name, now),
             PlannedAction::SetGroupReadyGate { pod, ready } => {
                 if let Some(m) = self.members.get_mut(pod)
                     && m.gate != *ready
@@ -422,6 +423,27 @@ impl<P: Processes> Executor<P> {
         );
         self.members.insert(intent.name.clone(), member);
         Ok(())
+    }
+
+    /// SIGKILL now (the planner never asks this of a local member, whose deletion has no
+    /// deadline it could miss; carried out for completeness of the executor).
+    fn force_delete(&mut self, pod: &str, now: Timestamp) {
+        let Some(m) = self.members.get_mut(pod) else {
+            return;
+        };
+        if m.exit.is_some() {
+            return;
+        }
+        self.processes.signal(pod, Signal::SIGKILL);
+        if let Some(t) = &mut m.terminating {
+            t.killed = true;
+        }
+        let (group, msg) = (
+            m.group,
+            format!("SIGKILL to {pod} (pid {}): force delete", m.pid),
+        );
+        self.record
+            .push(now, EntryKind::Terminating, true, group, Some(pod), "", msg);
     }
 
     fn delete(&mut self, pod: &str, role: Role, why: &str, now: Timestamp) {

@@ -192,6 +192,11 @@ impl Member {
             ready,
             not_ready_since,
             group_ready_gate: self.gate,
+            // The executor sends SIGKILL itself when the grace period ends, so a local
+            // member never needs the planner's force-delete (a remedy for lost nodes).
+            deletion_deadline: None,
+            // A local member runs as soon as it is spawned (a spawn failure is an exit).
+            waiting: None,
         }
     }
 

@@ -129,13 +129,34 @@ impl Sim {
                         ready: false,
                         not_ready_since: Some(self.now),
                         group_ready_gate: false,
+                        deletion_deadline: None,
+                        waiting: None,
                     },
                 );
             }
             PlannedAction::DeletePod { name, .. } => {
+                let deadline = self.now.checked_add(SignedDuration::from_secs(30)).unwrap();
                 if let Some(p) = self.pods.get_mut(name) {
                     p.terminating = true;
+                    p.deletion_deadline = Some(deadline);
                 }
+            }
+            PlannedAction::ForceDeletePod { name, .. } => {
+                let p = self.pods.remove(name).expect("force-deleted pod exists");
+                assert!(
+                    p.terminating,
+                    "{name} force-deleted without being deleted first"
+                );
+                let deadline = p
+                    .deletion_deadline
+                    .expect("terminating pods have a deadline");
+                assert!(
+                    self.now
+                        >= deadline
+                            .checked_add(SignedDuration::try_from(FORCE_DELETE_MARGIN).unwrap())
+                            .unwrap(),
+                    "{name} force-deleted before its grace period and the margin ran out"
+                );
             }
             PlannedAction::SetGroupReadyGate { pod, ready } => {
                 if let Some(p) = self.pods.get_mut(pod) {
@@ -276,7 +297,10 @@ impl Sim {
 
     /// Eviction or `kubectl delete`: the pod starts terminating.
     pub fn evict(&mut self, name: &str) {
-        self.pods.get_mut(name).expect("pod exists").terminating = true;
+        let deadline = self.now.checked_add(SignedDuration::from_secs(30)).unwrap();
+        let p = self.pods.get_mut(name).expect("pod exists");
+        p.terminating = true;
+        p.deletion_deadline = Some(deadline);
     }
 
     /// The pod object disappears at once (force delete, node loss).

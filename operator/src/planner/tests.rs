@@ -59,10 +59,19 @@ fn new_deployment_creates_prefill_and_objects_but_no_decode() {
     );
     assert_eq!(sim.group(0).phase, GroupPhase::StartingPrefill);
     assert_eq!(sim.group(0).incarnation, 1);
-    // A second reconcile with nothing changed does nothing but wait.
+    // A second reconcile with nothing changed creates nothing, and applies the Services
+    // and the NetworkPolicy again (a no-op unless someone edited them), but not the
+    // Secret.
     let plan = sim.reconcile();
     assert!(Sim::created(&plan).is_empty());
-    assert!(!plan.actions.contains(&PlannedAction::ApplyClientService));
+    assert_eq!(
+        plan.actions,
+        vec![
+            PlannedAction::ApplyClientService,
+            PlannedAction::ApplyGroupService { group: 0 },
+            PlannedAction::ApplyNetworkPolicy { group: 0 },
+        ]
+    );
 }
 
 #[test]
@@ -375,6 +384,52 @@ fn paused_rollout_starts_nothing() {
 }
 
 #[test]
+fn pausing_keeps_updated_groups_where_they_are() {
+    // partition 1: group 1 moves to the new revision, group 0 stays.
+    let mut sim = ready_sim(2);
+    let old = sim
+        .status
+        .as_ref()
+        .unwrap()
+        .update_revision
+        .clone()
+        .unwrap();
+    sim.spec.rollout.partition = 1;
+    sim.spec.decode.template.image = "tandem:2".into();
+    sim.settle(40);
+    let new = sim
+        .status
+        .as_ref()
+        .unwrap()
+        .update_revision
+        .clone()
+        .unwrap();
+    assert_ne!(old, new);
+    assert_eq!(sim.group(1).revision, new);
+    assert_eq!(sim.group(0).revision, old);
+    // Pause with the partition lifted: nothing moves, in either direction.
+    sim.spec.rollout.partition = 0;
+    sim.spec.rollout.paused = true;
+    let plan = sim.reconcile();
+    assert!(plan.co_restarts.is_empty(), "{:?}", plan.co_restarts);
+    sim.settle(10);
+    assert_eq!(
+        (sim.group(0).revision.clone(), sim.group(1).revision.clone()),
+        (old.clone(), new.clone())
+    );
+    // A failure while paused rebuilds the updated group at its own revision.
+    let d1 = only_pod(&sim, 1, Role::Decode);
+    sim.fail(&d1);
+    sim.settle(40);
+    assert_eq!(sim.group(1).revision, new);
+    assert_eq!(sim.group(1).phase, GroupPhase::Ready);
+    // Unpaused: group 0 follows.
+    sim.spec.rollout.paused = false;
+    sim.settle(40);
+    assert_eq!(sim.group(0).revision, new);
+}
+
+#[test]
 fn broken_groups_are_repaired_before_healthy_ones_are_rolled() {
     let mut sim = ready_sim(3);
     let d0 = only_pod(&sim, 0, Role::Decode);
@@ -571,4 +626,111 @@ fn status_counts_and_selector() {
         st.group_statuses[1].pods,
         vec!["demo-g1-i1-d0", "demo-g1-i1-p0"]
     );
+}
+
+#[test]
+fn a_pod_stuck_terminating_past_its_grace_is_force_deleted() {
+    let mut sim = ready_sim(1);
+    let d = only_pod(&sim, 0, Role::Decode);
+    let p = only_pod(&sim, 0, Role::Prefill);
+    // The node is gone: the decode is not ready; after the window the group co-restarts,
+    // and nobody ever confirms the deletion of its pods.
+    sim.set_ready(&d, false);
+    sim.reconcile();
+    sim.advance(31);
+    let plan = sim.reconcile();
+    assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::MemberNotReady)]);
+    assert_eq!(Sim::deleted(&plan), vec![(d.clone(), Role::Decode)]);
+    // Within the grace period and the margin: wait, and ask to be woken at its end.
+    sim.advance(20);
+    let plan = sim.reconcile();
+    assert!(
+        !plan
+            .actions
+            .iter()
+            .any(|a| matches!(a, PlannedAction::ForceDeletePod { .. }))
+    );
+    let wake = plan.requeue_after.expect("a requeue at the margin's end");
+    assert_eq!(
+        wake,
+        Duration::from_secs(30 + FORCE_DELETE_MARGIN.as_secs() - 20)
+    );
+    sim.advance(wake.as_secs());
+    let plan = sim.reconcile();
+    assert!(plan.actions.contains(&PlannedAction::ForceDeletePod {
+        name: d.clone(),
+        group: 0,
+        role: Role::Decode
+    }));
+    assert!(
+        sim.events(&plan)
+            .iter()
+            .any(|e| e.reason == "PodForceDeleted"
+                && e.type_ == EventKind::Warning
+                && e.message.contains(&d))
+    );
+    // Decode gone: now the prefill, which hangs the same way and is forced the same way.
+    let plan = sim.reconcile();
+    assert_eq!(Sim::deleted(&plan), vec![(p.clone(), Role::Prefill)]);
+    sim.advance(30 + FORCE_DELETE_MARGIN.as_secs());
+    let plan = sim.reconcile();
+    assert!(plan.actions.contains(&PlannedAction::ForceDeletePod {
+        name: p,
+        group: 0,
+        role: Role::Prefill
+    }));
+    sim.settle(20);
+    assert_eq!(sim.group(0).phase, GroupPhase::Ready);
+    assert_eq!(sim.group(0).incarnation, 2);
+}
+
+#[test]
+fn why_a_member_does_not_run_reaches_the_group_message() {
+    let mut sim = Sim::new(spec(1));
+    sim.reconcile();
+    let p = only_pod(&sim, 0, Role::Prefill);
+    sim.pods.get_mut(&p).unwrap().waiting =
+        Some("Unschedulable: 0/2 nodes are available: 2 Insufficient cpu.".into());
+    sim.reconcile();
+    let g = sim.group(0);
+    assert_eq!(g.phase, GroupPhase::StartingPrefill);
+    assert_eq!(
+        g.message.as_deref(),
+        Some(
+            "prefill pod demo-g0-i1-p0: Unschedulable: 0/2 nodes are available: 2 Insufficient cpu."
+        )
+    );
+    sim.pods.get_mut(&p).unwrap().waiting = None;
+    sim.reconcile();
+    assert_eq!(sim.group(0).message, None);
+}
+
+#[test]
+fn a_held_back_co_restart_keeps_the_status_still() {
+    let mut s = spec(1);
+    s.restart.backoff.base_seconds = 60;
+    let mut sim = Sim::new(s);
+    sim.settle(20);
+    // First failure restarts at once; the second is held back by the backoff.
+    let d = only_pod(&sim, 0, Role::Decode);
+    sim.fail(&d);
+    sim.reconcile();
+    sim.settle(20);
+    let d = only_pod(&sim, 0, Role::Decode);
+    sim.fail(&d);
+    sim.reconcile();
+    let first = sim.status.clone().unwrap();
+    assert!(
+        first.group_statuses[0]
+            .message
+            .as_deref()
+            .unwrap()
+            .contains("held back by backoff until")
+    );
+    // Time passes inside the backoff: nothing in the status may change (no countdown).
+    sim.advance(7);
+    sim.reconcile();
+    sim.advance(11);
+    sim.reconcile();
+    assert_eq!(sim.status.clone().unwrap(), first);
 }

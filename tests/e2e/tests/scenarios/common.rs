@@ -1,0 +1,397 @@
+//! What the scenarios share: the test PDDeployment, reading its status, pods and
+//! endpoints, chat requests, and a recorder of every pod change in a namespace.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::ListParams;
+use kube::runtime::watcher;
+use kube::{Api, ResourceExt};
+use serde_json::{Value, json};
+use tandem_e2e::env::Env;
+use tandem_e2e::{http, wait};
+use tandem_operator::crd::PDDeployment;
+use tokio::task::JoinHandle;
+
+pub const MODEL_PATH: &str = "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+pub const MODEL_NAME: &str = "smollm2";
+pub const HTTP_PORT: u16 = 8000;
+
+pub fn init_logging(run_dir: &Path) {
+    let file = std::fs::File::create(run_dir.join("harness.log")).expect("harness log");
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,kube=warn,hyper=warn,tower=warn")
+    });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(Mutex::new(file))
+        .with_ansi(false)
+        .init();
+}
+
+/// The scenarios' PDDeployment: the example's shape with short probe periods and
+/// windows, a small KV cache and one compute thread per process (two cores for the
+/// whole suite).
+pub fn spec(name: &str, groups: i32) -> Value {
+    let role = json!({
+        "replicas": 1,
+        "template": {
+            "image": "ghcr.io/tandem/dataplane:e2e",
+            "env": [{"name": "TANDEM_THREADS", "value": "1"}],
+            "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}},
+        },
+        "args": ["--kv-blocks", "64", "--max-batch", "4", "--drain-seconds", "2"],
+    });
+    json!({
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "PDDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {
+                "name": MODEL_NAME,
+                "path": MODEL_PATH,
+                "volume": {"claimName": "models", "mountPath": "/models"},
+            },
+            "groups": groups,
+            "prefill": role.clone(),
+            "decode": role,
+            "transfer": {"bootstrapTimeoutSeconds": 5, "kvTimeoutSeconds": 10},
+            "health": {"probePeriodSeconds": 1, "failureThreshold": 2, "coRestartAfterSeconds": 6},
+            "restart": {"backoff": {"baseSeconds": 1, "maxSeconds": 4}},
+            "rollout": {"maxUnavailableGroups": 1},
+        },
+    })
+}
+
+pub fn yaml(v: &Value) -> String {
+    serde_yaml::to_string(v).expect("yaml")
+}
+
+pub async fn get_pdd(env: &Env, ns: &str, name: &str) -> Result<PDDeployment> {
+    Ok(
+        Api::<PDDeployment>::namespaced(env.cluster.client.clone(), ns)
+            .get(name)
+            .await?,
+    )
+}
+
+fn condition<'a>(
+    p: &'a PDDeployment,
+    t: &str,
+) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    p.status.as_ref()?.conditions.iter().find(|c| c.type_ == t)
+}
+
+/// `(status, reason)` of a condition of the deployment.
+pub fn cond(p: &PDDeployment, t: &str) -> Option<(String, String)> {
+    condition(p, t).map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+/// Wait until `groups` groups are Ready at the update revision and the rollout is complete.
+pub async fn wait_ready(
+    env: &Env,
+    ns: &str,
+    name: &str,
+    groups: i32,
+    within: Duration,
+) -> Result<PDDeployment> {
+    wait::until_seen(
+        &format!("{ns}/{name}: {groups} groups Ready"),
+        within,
+        Duration::from_millis(500),
+        || async {
+            let p = get_pdd(env, ns, name).await?;
+            let s = p.status.clone().unwrap_or_default();
+            let done = s.ready_groups == groups
+                && s.groups == groups
+                && s.updated_groups == groups
+                && cond(&p, "Progressing").map(|c| c.1).as_deref() == Some("Complete")
+                && s.observed_generation == p.metadata.generation;
+            let phases: Vec<String> = s
+                .group_statuses
+                .iter()
+                .map(|g| {
+                    format!(
+                        "g{}:{:?}@{} {}",
+                        g.index,
+                        g.phase,
+                        g.incarnation,
+                        g.message.clone().unwrap_or_default()
+                    )
+                })
+                .collect();
+            Ok(if done { Ok(p) } else { Err(phases) })
+        },
+    )
+    .await
+}
+
+pub async fn pods(env: &Env, ns: &str, name: &str) -> Result<Vec<Pod>> {
+    let lp = ListParams::default().labels(&format!("tandem.dev/deployment={name}"));
+    Ok(Api::<Pod>::namespaced(env.cluster.client.clone(), ns)
+        .list(&lp)
+        .await?
+        .items)
+}
+
+pub fn label(p: &Pod, k: &str) -> String {
+    p.labels().get(k).cloned().unwrap_or_default()
+}
+
+pub fn role(p: &Pod) -> String {
+    label(p, "tandem.dev/role")
+}
+
+pub fn group(p: &Pod) -> i32 {
+    label(p, "tandem.dev/group").parse().unwrap_or(-1)
+}
+
+pub fn incarnation(p: &Pod) -> i64 {
+    label(p, "tandem.dev/incarnation").parse().unwrap_or(-1)
+}
+
+pub fn pod_ip(p: &Pod) -> Option<String> {
+    p.status.as_ref()?.pod_ip.clone()
+}
+
+pub fn pod_condition(p: &Pod, t: &str) -> Option<String> {
+    p.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == t)
+        .map(|c| c.status.clone())
+}
+
+/// The one live (not terminating) pod of `role` in `group`.
+pub async fn member(env: &Env, ns: &str, name: &str, g: i32, r: &str) -> Result<Pod> {
+    let all = pods(env, ns, name).await?;
+    let live: Vec<Pod> = all
+        .into_iter()
+        .filter(|p| group(p) == g && role(p) == r && p.metadata.deletion_timestamp.is_none())
+        .collect();
+    match live.as_slice() {
+        [p] => Ok(p.clone()),
+        _ => bail!(
+            "expected one live {r} pod in group {g}, found {:?}",
+            live.iter().map(|p| p.name_any()).collect::<Vec<_>>()
+        ),
+    }
+}
+
+/// An endpoint of a Service as the EndpointSlice controller publishes it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Endpoint {
+    pub ip: String,
+    pub pod: String,
+    pub ready: bool,
+}
+
+pub async fn endpoints(env: &Env, ns: &str, service: &str) -> Result<Vec<Endpoint>> {
+    let lp = ListParams::default().labels(&format!("kubernetes.io/service-name={service}"));
+    let slices = Api::<EndpointSlice>::namespaced(env.cluster.client.clone(), ns)
+        .list(&lp)
+        .await?;
+    let mut out = Vec::new();
+    for s in slices.items {
+        for e in s.endpoints {
+            let ready = e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true);
+            let pod = e
+                .target_ref
+                .as_ref()
+                .and_then(|r| r.name.clone())
+                .unwrap_or_default();
+            for ip in e.addresses {
+                out.push(Endpoint {
+                    ip,
+                    pod: pod.clone(),
+                    ready,
+                });
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Ready endpoints' pod names.
+pub async fn ready_endpoint_pods(env: &Env, ns: &str, service: &str) -> Result<Vec<String>> {
+    Ok(endpoints(env, ns, service)
+        .await?
+        .into_iter()
+        .filter(|e| e.ready)
+        .map(|e| e.pod)
+        .collect())
+}
+
+/// One chat completion against `ip:8000` for the scenarios' model name.
+pub async fn chat(ip: &str, timeout: Duration) -> Result<String> {
+    chat_model(ip, MODEL_NAME, timeout).await
+}
+
+/// One chat completion against `ip:8000`; returns the answer's text.
+pub async fn chat_model(ip: &str, model: &str, timeout: Duration) -> Result<String> {
+    let body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    });
+    let r = http::post_json(
+        &format!("{ip}:{HTTP_PORT}"),
+        "/v1/chat/completions",
+        &body,
+        timeout,
+    )
+    .await?;
+    ensure!(
+        r.status == 200,
+        "chat at {ip}: HTTP {}: {}",
+        r.status,
+        r.body
+    );
+    let v: Value = serde_json::from_str(&r.body).context("chat response")?;
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    ensure!(
+        v["usage"]["completion_tokens"].as_u64().unwrap_or(0) > 0,
+        "chat at {ip}: no tokens generated: {}",
+        r.body
+    );
+    Ok(text)
+}
+
+/// Events (events.k8s.io) about the deployment, oldest first.
+pub async fn events(env: &Env, ns: &str, name: &str) -> Result<Vec<Event>> {
+    let mut evs: Vec<Event> = Api::<Event>::namespaced(env.cluster.client.clone(), ns)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .collect();
+    evs.sort_by_key(|e| {
+        e.event_time
+            .as_ref()
+            .map(|t| t.0)
+            .or_else(|| e.metadata.creation_timestamp.as_ref().map(|t| t.0))
+    });
+    Ok(evs)
+}
+
+/// One observed pod change.
+#[derive(Debug, Clone)]
+pub struct PodChange {
+    pub pod: String,
+    pub group: i32,
+    pub role: String,
+    pub incarnation: i64,
+    pub what: Change,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    Added,
+    /// `deletionTimestamp` first seen.
+    Terminating,
+    /// `ContainersReady` turned True / False.
+    ContainersReady(bool),
+    /// Gone from the API.
+    Deleted,
+}
+
+/// Records every pod change in a namespace from a watch, in order.
+pub struct PodRecorder {
+    pub log: Arc<Mutex<Vec<PodChange>>>,
+    task: JoinHandle<()>,
+}
+
+impl PodRecorder {
+    /// Start watching; returns once the initial list has been recorded.
+    pub async fn start(env: &Env, ns: &str) -> PodRecorder {
+        let api = Api::<Pod>::namespaced(env.cluster.client.clone(), ns);
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = log.clone();
+        let (synced_tx, synced_rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let mut synced_tx = Some(synced_tx);
+            let mut seen: BTreeMap<String, (bool, Option<bool>)> = BTreeMap::new();
+            let mut stream = watcher(api, watcher::Config::default()).boxed();
+            while let Some(ev) = stream.next().await {
+                let (pod, deleted) = match ev {
+                    Ok(watcher::Event::Apply(p)) | Ok(watcher::Event::InitApply(p)) => (p, false),
+                    Ok(watcher::Event::Delete(p)) => (p, true),
+                    Ok(watcher::Event::InitDone) => {
+                        if let Some(tx) = synced_tx.take() {
+                            let _ = tx.send(());
+                        }
+                        continue;
+                    }
+                    _ => continue,
+                };
+                let push = |what| {
+                    sink.lock().unwrap().push(PodChange {
+                        pod: pod.name_any(),
+                        group: group(&pod),
+                        role: role(&pod),
+                        incarnation: incarnation(&pod),
+                        what,
+                    })
+                };
+                let uid = pod.metadata.uid.clone().unwrap_or_default();
+                let entry = seen.entry(uid.clone());
+                let state = match entry {
+                    std::collections::btree_map::Entry::Vacant(v) => {
+                        push(Change::Added);
+                        v.insert((false, None))
+                    }
+                    std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+                };
+                if pod.metadata.deletion_timestamp.is_some() && !state.0 {
+                    state.0 = true;
+                    push(Change::Terminating);
+                }
+                let cr = pod_condition(&pod, "ContainersReady").map(|s| s == "True");
+                if cr.is_some() && cr != state.1 {
+                    state.1 = cr;
+                    push(Change::ContainersReady(cr.unwrap_or(false)));
+                }
+                if deleted {
+                    push(Change::Deleted);
+                }
+            }
+        });
+        let _ = tokio::time::timeout(Duration::from_secs(30), synced_rx).await;
+        PodRecorder { log, task }
+    }
+
+    pub fn changes(&self) -> Vec<PodChange> {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// First change matching `f` (index and change).
+    pub fn first(&self, f: impl Fn(&PodChange) -> bool) -> Option<(usize, PodChange)> {
+        self.changes().into_iter().enumerate().find(|(_, c)| f(c))
+    }
+}
+
+impl Drop for PodRecorder {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Print a figure line the report quotes (stdout of the suite).
+pub fn figure(what: &str, value: impl std::fmt::Display) {
+    println!("    figure: {what}: {value}");
+}

@@ -1,0 +1,161 @@
+//! Scenario 9: every manifest in `manifests/` and the rendered Helm chart pass a server-side
+//! dry-run apply; the operator's ServiceAccount can do what the controller calls and
+//! nothing beyond it; and the operator replicas of every scenario, all running under that
+//! account only, never met a `forbidden` answer.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail, ensure};
+use tandem_e2e::env::{Env, OPERATOR_SA};
+use tandem_e2e::operator::OPERATOR_NAMESPACE;
+use tandem_e2e::repo_root;
+
+use crate::common::*;
+
+fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+    for e in std::fs::read_dir(dir)? {
+        let p = e?.path();
+        if p.is_dir() {
+            yaml_files(&p, out)?;
+        } else if p.extension().is_some_and(|x| x == "yaml" || x == "yml") {
+            out.push(p);
+        }
+    }
+    out.sort();
+    Ok(())
+}
+
+pub async fn run(env: &Env) -> Result<()> {
+    env.namespace("s09").await?;
+    let mut files = Vec::new();
+    yaml_files(&repo_root().join("manifests"), &mut files)?;
+    ensure!(!files.is_empty(), "no manifests");
+    for f in &files {
+        let out = env
+            .kubectl
+            .run(&["apply", "--dry-run=server", "-f", &f.display().to_string()])
+            .await?;
+        ensure!(
+            out.success,
+            "{}: server-side dry run failed: {}",
+            f.display(),
+            out.stderr.trim()
+        );
+    }
+    figure("manifests dry-run applied", files.len());
+
+    let chart = repo_root().join("charts/tandem");
+    {
+        let rendered = tandem_e2e::proc::run(
+            &env.cluster.bins.helm.display().to_string(),
+            &[
+                "template",
+                "tandem",
+                &chart.display().to_string(),
+                "--namespace",
+                OPERATOR_NAMESPACE,
+            ],
+        )
+        .await?;
+        let out = env
+            .kubectl
+            .run_with(&["apply", "--dry-run=server", "-f", "-"], Some(&rendered))
+            .await?;
+        ensure!(
+            out.success,
+            "helm template | kubectl apply --dry-run=server: {}",
+            out.stderr.trim()
+        );
+        figure("rendered chart dry-run applied", "ok");
+    }
+
+    // What the operator's account may and may not do.
+    let who = format!("system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SA}");
+    let can = |verb: &'static str, res: &'static str, ns: &'static str| {
+        let who = who.clone();
+        async move {
+            let mut args = vec!["auth", "can-i", verb];
+            match res.split_once('/') {
+                // A named Lease: kubectl's TYPE/NAME form.
+                Some((r, _)) if r.starts_with("leases") => args.push(res),
+                Some((r, sub)) => args.extend([r, "--subresource", sub]),
+                None => args.push(res),
+            }
+            args.extend(["-n", ns, "--as", &who]);
+            let out = env.kubectl.run(&args).await?;
+            Ok::<bool, anyhow::Error>(out.stdout.trim() == "yes")
+        }
+    };
+    let allowed: &[(&str, &str, &str)] = &[
+        ("list", "pddeployments.tandem.dev", "s09"),
+        ("watch", "pddeployments.tandem.dev", "s09"),
+        ("patch", "pddeployments.tandem.dev/status", "s09"),
+        ("create", "pods", "s09"),
+        ("delete", "pods", "s09"),
+        ("patch", "pods/status", "s09"),
+        ("patch", "services", "s09"),
+        ("patch", "networkpolicies.networking.k8s.io", "s09"),
+        ("create", "secrets", "s09"),
+        ("create", "events.events.k8s.io", "s09"),
+        (
+            "update",
+            "leases.coordination.k8s.io/tandem-operator",
+            OPERATOR_NAMESPACE,
+        ),
+    ];
+    let denied: &[(&str, &str, &str)] = &[
+        ("delete", "pddeployments.tandem.dev", "s09"),
+        ("update", "pddeployments.tandem.dev", "s09"),
+        ("get", "nodes", "s09"),
+        ("create", "deployments.apps", "s09"),
+        ("create", "clusterroles.rbac.authorization.k8s.io", "s09"),
+        (
+            "update",
+            "leases.coordination.k8s.io/tandem-operator",
+            "s09",
+        ),
+        (
+            "update",
+            "leases.coordination.k8s.io/someone-else",
+            OPERATOR_NAMESPACE,
+        ),
+        ("create", "pods/exec", "s09"),
+    ];
+    for (verb, res, ns) in allowed {
+        ensure!(
+            can(verb, res, ns).await?,
+            "{who} cannot {verb} {res} in {ns}"
+        );
+    }
+    for (verb, res, ns) in denied {
+        ensure!(
+            !can(verb, res, ns).await?,
+            "{who} may {verb} {res} in {ns} (more than it needs)"
+        );
+    }
+
+    // Every operator replica so far ran under that account only: none was refused.
+    let logs = env.run_dir.join("logs");
+    let mut checked = 0;
+    for e in std::fs::read_dir(&logs).context("operator logs")? {
+        let p = e?.path();
+        let fname = p
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string();
+        if !fname.starts_with("operator-") {
+            continue;
+        }
+        checked += 1;
+        let text = std::fs::read_to_string(&p)?;
+        if let Some(line) = text
+            .lines()
+            .find(|l| l.contains("forbidden") || l.contains(" 403"))
+        {
+            bail!("{fname}: the operator was refused: {line}");
+        }
+    }
+    figure("operator logs without a forbidden answer", checked);
+    Ok(())
+}

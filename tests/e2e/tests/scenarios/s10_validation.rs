@@ -1,0 +1,143 @@
+//! Scenario 10: resources the operator could never serve are refused by the API server
+//! itself (the CRD's OpenAPI bounds and CEL rules), each with a message that names what is
+//! wrong; the longest valid name is accepted.
+
+use anyhow::{Result, ensure};
+use serde_json::{Value, json};
+use tandem_e2e::env::Env;
+
+use crate::common::*;
+
+/// The longest name whose children (`<name>-g<group>-bootstrap`, at most 999 groups) are
+/// valid Service names.
+pub const MAX_NAME: usize = 48;
+
+fn with(mut v: Value, path: &[&str], value: Value) -> Value {
+    let mut at = &mut v;
+    for p in &path[..path.len() - 1] {
+        at = &mut at[*p];
+    }
+    at[path[path.len() - 1]] = value;
+    v
+}
+
+pub async fn run(env: &Env) -> Result<()> {
+    let ns = "s10";
+    env.namespace(ns).await?;
+    let good = spec("ok", 1);
+    let long: String = std::iter::once('a')
+        .chain("bcdefghij0".chars().cycle())
+        .take(60)
+        .collect();
+    let cases: Vec<(&str, Value, &[&str])> = vec![
+        (
+            "a name with dots",
+            with(good.clone(), &["metadata", "name"], json!("llama-3.1-8b")),
+            &["metadata.name", "DNS-1035"],
+        ),
+        (
+            "a 60-character name",
+            with(good.clone(), &["metadata", "name"], json!(long)),
+            &["metadata.name", "48"],
+        ),
+        (
+            "httpPort == kvPort",
+            with(good.clone(), &["spec", "transfer", "kvPort"], json!(8000)),
+            &["httpPort", "kvPort"],
+        ),
+        (
+            "a volume with both sources",
+            with(
+                good.clone(),
+                &["spec", "model", "volume"],
+                json!({"claimName": "models", "hostPath": "/models", "mountPath": "/models"}),
+            ),
+            &["claimName", "hostPath"],
+        ),
+        (
+            "a volume with no source",
+            with(
+                good.clone(),
+                &["spec", "model", "volume"],
+                json!({"mountPath": "/models"}),
+            ),
+            &["claimName", "hostPath"],
+        ),
+        (
+            "duplicate env names",
+            with(
+                good.clone(),
+                &["spec", "decode", "template", "env"],
+                json!([{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]),
+            ),
+            &["env", "Duplicate"],
+        ),
+        (
+            "a zero timeout",
+            with(
+                good.clone(),
+                &["spec", "transfer", "kvTimeoutSeconds"],
+                json!(0),
+            ),
+            &["kvTimeoutSeconds", "greater than or equal to 1"],
+        ),
+        (
+            "a negative timeout",
+            with(
+                good.clone(),
+                &["spec", "transfer", "bootstrapTimeoutSeconds"],
+                json!(-5),
+            ),
+            &["bootstrapTimeoutSeconds", "greater than or equal to 1"],
+        ),
+        (
+            "a negative co-restart window",
+            with(
+                good.clone(),
+                &["spec", "health", "coRestartAfterSeconds"],
+                json!(-1),
+            ),
+            &["coRestartAfterSeconds", "greater than or equal to 1"],
+        ),
+    ];
+    let mut messages = Vec::new();
+    for (what, obj, needles) in &cases {
+        let out = env
+            .kubectl
+            .run_with(&["apply", "-n", ns, "-f", "-"], Some(&yaml(obj)))
+            .await?;
+        ensure!(!out.success, "{what} was accepted");
+        let msg = out.stderr.trim().to_string();
+        for n in *needles {
+            ensure!(
+                msg.contains(n),
+                "{what}: the message does not name {n:?}: {msg}"
+            );
+        }
+        messages.push(format!("{what}: {msg}"));
+    }
+    for m in &messages {
+        println!("    rejected: {m}");
+    }
+
+    // The boundary: the longest valid name is accepted (a server-side dry run).
+    let name: String = std::iter::once('a')
+        .chain("bcdefghij0".chars().cycle())
+        .take(MAX_NAME - 1)
+        .chain(std::iter::once('z'))
+        .collect();
+    let obj = with(good, &["metadata", "name"], json!(name));
+    let out = env
+        .kubectl
+        .run_with(
+            &["apply", "--dry-run=server", "-n", ns, "-f", "-"],
+            Some(&yaml(&obj)),
+        )
+        .await?;
+    ensure!(
+        out.success,
+        "a {MAX_NAME}-character name was refused: {}",
+        out.stderr.trim()
+    );
+    Ok(())
+}
