@@ -33,7 +33,8 @@ pub const SECRET_KEY: &str = "key";
 pub const GROUP_KEY_ENV: &str = "TANDEM_GROUP_KEY";
 /// Name of the model volume.
 const MODEL_VOLUME: &str = "model";
-const HTTP_PORT_NAME: &str = "http";
+/// Name of the container port of the dataplane's HTTP server (API, probes, metrics).
+pub const HTTP_PORT_NAME: &str = "http";
 const KV_PORT_NAME: &str = "kv";
 /// UID and GID dataplane pods run as unless their template says otherwise: the numeric
 /// non-root user of the images in `docker/`.
