@@ -524,13 +524,17 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
     }
     let now = (ctx.clock)();
     let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
-    if let Err(why) = names::validate_deployment_name(&name) {
-        // Children could never be created (the API server refuses their names): say so
-        // once, and wait for the user instead of retrying forever.
+    let invalid = names::validate_deployment_name(&name)
+        .map_err(|why| ("InvalidName", why))
+        .and_then(|()| resources::check_role_args(&pdd.spec).map_err(|why| ("InvalidArgs", why)));
+    if let Err((reason, why)) = invalid {
+        // Children could never be created (the API server refuses their names) or would
+        // exit at once (the dataplane refuses their command line): say so once, and
+        // wait for the user instead of retrying forever.
         warn!("{why}");
         let mut status = pdd.status.clone().unwrap_or_default();
         status.observed_generation = pdd.metadata.generation;
-        report_once(&recorder, &pdd, &mut status, "InvalidName", &why, now).await;
+        report_once(&recorder, &pdd, &mut status, reason, &why, now).await;
         write_status(&api, &name, &status).await?;
         return Ok(Action::await_change());
     }
@@ -955,7 +959,7 @@ fn event_action(reason: &str) -> &'static str {
         "ScalingDown" => "ScaleDown",
         "InvalidRestartRequest" => "ParseAnnotation",
         "ApplyFailed" | "ObjectConflict" => "Apply",
-        "InvalidName" => "Validate",
+        "InvalidName" | "InvalidArgs" => "Validate",
         "PodForceDeleted" => "ForceDelete",
         r if crate::crd::CoRestartReason::ALL
             .iter()

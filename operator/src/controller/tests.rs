@@ -928,6 +928,42 @@ async fn a_name_that_cannot_make_child_names_is_reported_not_retried() {
 }
 
 #[tokio::test]
+async fn args_that_repeat_an_operator_flag_are_reported_not_run() {
+    // `--port` in the decode's args: the dataplane would refuse the pod's command line
+    // (the flag twice) and the pod would exit at once, group after group.
+    let mut bad = pdd(None);
+    bad.spec.decode.args = vec!["--port".into(), "9000".into()];
+    let (result, _) = run(bad.clone(), |mut api| async move {
+        api.next(Method::GET, PDD_PATH)
+            .await
+            .reply(StatusCode::OK, serde_json::to_value(&bad).unwrap());
+        let ev = api.next(Method::POST, &format!("{EVENTS}?")).await;
+        assert_eq!(ev.body["reason"], "InvalidArgs");
+        assert_eq!(ev.body["action"], "Validate");
+        ev.echo();
+        let status = api.status().await;
+        let d = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == conditions::DEGRADED)
+            .unwrap();
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str()),
+            ("True", "InvalidArgs")
+        );
+        assert!(
+            d.message
+                .starts_with("spec.decode.args[0]: --port is set by the operator"),
+            "{}",
+            d.message
+        );
+        api.done().await;
+    })
+    .await;
+    assert_eq!(result.unwrap(), Action::await_change());
+}
+
+#[tokio::test]
 async fn a_deleted_deployment_is_left_to_the_garbage_collector() {
     let (result, _) = run(pdd(None), |mut api| async move {
         api.next(Method::GET, PDD_PATH).await.reply(
