@@ -48,23 +48,7 @@ fn load_runner(cfg: &Config, gguf: Arc<Gguf>, rc: RunnerConfig) -> Result<Box<dy
 }
 
 pub fn build(cfg: &Config) -> Result<App> {
-    if cfg.role != Role::Both && cfg.group_key.is_empty() {
-        return Err(Error::config(
-            "--group-key",
-            format!(
-                "role '{}' needs a group key (--group-key or TANDEM_GROUP_KEY) to authenticate its KV peers",
-                cfg.role.as_str()
-            ),
-        ));
-    }
-    if cfg.fault_injection && std::env::var("TANDEM_ALLOW_FAULT_INJECTION").as_deref() != Ok("yes")
-    {
-        return Err(Error::config(
-            "--fault-injection",
-            "for tests only: it is refused unless the environment also sets \
-             TANDEM_ALLOW_FAULT_INJECTION=yes",
-        ));
-    }
+    cfg.check()?;
     let gguf = Arc::new(Gguf::open(&cfg.model)?);
     let tok = Arc::new(Tokenizer::from_gguf(&gguf)?);
     let text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or_default();

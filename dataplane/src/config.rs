@@ -1,12 +1,18 @@
 //! Command-line and environment configuration of the dataplane binary: every setting is
 //! a flag with an environment variable (`TANDEM_<NAME>`), parsed and checked here, and
 //! passed down as plain values; nothing below reads the environment.
+//!
+//! [`Config::check`] is every check that needs no model loaded (combinations of flags,
+//! the model file being a readable GGUF file); `--check-config` runs it and prints
+//! [`Config::effective`] instead of serving.
 
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
 use clap::{ArgAction, Parser, ValueEnum};
+use serde::Serialize;
+use serde_json::{Value, json};
 use tandem_kernels::CpuOptions;
 
 use crate::scheduler::SchedulerConfig;
@@ -36,6 +42,12 @@ impl FromStr for Device {
     }
 }
 
+impl Serialize for Device {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 impl std::fmt::Display for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -45,7 +57,8 @@ impl std::fmt::Display for Device {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Role {
     /// Prefill and decode in one process (no KV transfer).
     Both,
@@ -64,13 +77,15 @@ impl Role {
 }
 
 /// Storage type of the KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum KvDtype {
     /// 2 bytes per value.
     F16,
     /// 34 bytes per 32 values: about half the memory of F16 (values rounded per 32-block
     /// to 8 bits with one f16 scale).
     #[value(name = "q8_0")]
+    #[serde(rename = "q8_0")]
     Q8_0,
     /// 4 bytes per value (for debugging).
     F32,
@@ -86,13 +101,14 @@ impl KvDtype {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     Text,
     Json,
 }
 
-#[derive(Debug, Clone, Parser)]
+#[derive(Debug, Clone, Parser, Serialize)]
 #[command(
     name = "tandem-dataplane",
     version,
@@ -178,6 +194,7 @@ pub struct Config {
         hide_env_values = true,
         default_value = ""
     )]
+    #[serde(serialize_with = "redacted")]
     pub group_key: String,
     /// Decode: seconds between PINGs to each prefill.
     #[arg(long, env = "TANDEM_PROBE_PERIOD_SECONDS", default_value_t = 2.0, value_parser = positive_seconds)]
@@ -200,6 +217,21 @@ pub struct Config {
     /// start unless the environment also sets `TANDEM_ALLOW_FAULT_INJECTION=yes`.
     #[arg(long)]
     pub fault_injection: bool,
+    /// Check the configuration (every flag and variable, their combinations, the model
+    /// file) without loading the model or binding a port: print the effective
+    /// configuration as JSON and exit 0, or print what is wrong and exit 2.
+    #[arg(long)]
+    #[serde(skip)]
+    pub check_config: bool,
+}
+
+/// The group key is a secret: `--check-config` says only whether one is set.
+fn redacted<S: serde::Serializer>(key: &str, s: S) -> Result<S::Ok, S::Error> {
+    if key.is_empty() {
+        s.serialize_str("")
+    } else {
+        s.collect_str(&format_args!("<redacted: {} bytes>", key.len()))
+    }
 }
 
 /// Protocol timings derived from the configuration.
@@ -227,6 +259,64 @@ impl PdTimings {
 }
 
 impl Config {
+    /// Every check that needs no model loaded: what `--check-config` runs, and what the
+    /// server runs before loading the model.
+    pub fn check(&self) -> crate::Result<()> {
+        if self.role != Role::Both && self.group_key.is_empty() {
+            return Err(crate::Error::config(
+                "--group-key",
+                format!(
+                    "role '{}' needs a group key (--group-key or TANDEM_GROUP_KEY) to authenticate its KV peers",
+                    self.role.as_str()
+                ),
+            ));
+        }
+        if self.fault_injection
+            && std::env::var("TANDEM_ALLOW_FAULT_INJECTION").as_deref() != Ok("yes")
+        {
+            return Err(crate::Error::config(
+                "--fault-injection",
+                "for tests only: it is refused unless the environment also sets \
+                 TANDEM_ALLOW_FAULT_INJECTION=yes",
+            ));
+        }
+        if matches!(self.device, Device::Cuda(_)) && !cfg!(feature = "cuda") {
+            return Err(crate::Error::config(
+                format!("--device {}", self.device),
+                "this binary was built without CUDA support (build with `--features cuda`); \
+                 use --device cpu",
+            ));
+        }
+        if self.role == Role::Decode {
+            if self.prefill_peers.is_empty() {
+                return Err(crate::Error::config(
+                    "--prefill",
+                    "role decode needs at least one --prefill address",
+                ));
+            }
+            for peer in &self.prefill_peers {
+                check_peer(peer)?;
+            }
+        }
+        check_model_file(&self.model)
+    }
+
+    /// The configuration as it would be served, as JSON: every setting by its field name
+    /// (the flag without `--`, `-` as `_`; `--prefill` is `prefill_peers`), the group key
+    /// redacted, and the values derived from them.
+    pub fn effective(&self) -> Value {
+        let t = self.pd_timings();
+        json!({
+            "config": self,
+            "derived": {
+                "served_model_name": self.served_name(),
+                "liveness_window_seconds": t.liveness_window().as_secs_f64(),
+                "session_expiry_seconds": t.session_expiry().as_secs_f64(),
+                "kv_send_budget_bytes": self.pd_limits().send_budget,
+            },
+        })
+    }
+
     pub fn scheduler(&self) -> SchedulerConfig {
         SchedulerConfig {
             max_batch: self.max_batch,
@@ -290,6 +380,42 @@ impl Config {
             kv_timeout: secs(self.kv_timeout_seconds),
         }
     }
+}
+
+/// A KV endpoint as `--prefill` takes it: `host:port`, port 1-65535.
+fn check_peer(peer: &str) -> crate::Result<()> {
+    let bad = |why: &str| crate::Error::config("--prefill", format!("{peer:?}: {why}"));
+    let (host, port) = peer
+        .rsplit_once(':')
+        .ok_or_else(|| bad("expected host:port"))?;
+    if host.is_empty() || host.contains(char::is_whitespace) {
+        return Err(bad("expected host:port with a host name or address"));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(()),
+        _ => Err(bad("the port must be a number from 1 to 65535")),
+    }
+}
+
+/// The model file exists, can be read, and starts like a GGUF file (its first four bytes;
+/// the rest is read when the model loads).
+fn check_model_file(path: &std::path::Path) -> crate::Result<()> {
+    use std::io::Read;
+    let io = |source| crate::Error::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .map_err(io)?;
+    if &magic != b"GGUF" {
+        return Err(crate::Error::config(
+            "--model",
+            format!("{} is not a GGUF file", path.display()),
+        ));
+    }
+    Ok(())
 }
 
 /// Seconds the parsers below accepted (finite, not negative, not absurdly large).
@@ -415,6 +541,164 @@ mod tests {
             ..t
         };
         assert_eq!(short.session_expiry(), Duration::from_secs(4));
+    }
+
+    /// A file that starts like a GGUF file, removed on drop.
+    struct FakeModel(PathBuf);
+
+    impl FakeModel {
+        fn new(name: &str, content: &[u8]) -> Self {
+            let p = std::env::temp_dir()
+                .join(format!("tandem-config-test-{}-{name}", std::process::id()));
+            std::fs::write(&p, content).unwrap();
+            Self(p)
+        }
+        fn path(&self) -> &str {
+            self.0.to_str().unwrap()
+        }
+    }
+
+    impl Drop for FakeModel {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    #[test]
+    fn check_refuses_what_would_fail_at_start_naming_the_setting() {
+        let gguf = FakeModel::new("ok.gguf", b"GGUF\x03\0\0\0");
+        let text = FakeModel::new("text.gguf", b"hello");
+        let check = |args: &[&str]| {
+            let mut all = vec!["x"];
+            all.extend_from_slice(args);
+            Config::try_parse_from(all)
+                .unwrap()
+                .check()
+                .map_err(|e| e.to_string())
+        };
+        let m = gguf.path();
+        check(&["--model", m]).unwrap();
+        check(&["--model", m, "--role", "prefill", "--group-key", "k"]).unwrap();
+        check(&[
+            "--model",
+            m,
+            "--role",
+            "decode",
+            "--group-key",
+            "k",
+            "--prefill",
+            "p-0.g.ns.svc:5600,10.0.0.1:1",
+        ])
+        .unwrap();
+        for (args, want) in [
+            (
+                vec!["--model", m, "--role", "decode", "--prefill", "p:1"],
+                "configuration --group-key: role 'decode' needs a group key",
+            ),
+            (
+                vec!["--model", m, "--role", "decode", "--group-key", "k"],
+                "configuration --prefill: role decode needs at least one --prefill address",
+            ),
+            (
+                vec![
+                    "--model",
+                    m,
+                    "--role",
+                    "decode",
+                    "--group-key",
+                    "k",
+                    "--prefill",
+                    "p",
+                ],
+                "configuration --prefill: \"p\": expected host:port",
+            ),
+            (
+                vec![
+                    "--model",
+                    m,
+                    "--role",
+                    "decode",
+                    "--group-key",
+                    "k",
+                    "--prefill",
+                    "p:0",
+                ],
+                "configuration --prefill: \"p:0\": the port must be a number from 1 to 65535",
+            ),
+            (
+                vec![
+                    "--model",
+                    m,
+                    "--role",
+                    "decode",
+                    "--group-key",
+                    "k",
+                    "--prefill",
+                    ":5600",
+                ],
+                "configuration --prefill: \":5600\": expected host:port with a host name or address",
+            ),
+            (
+                vec!["--model", "/nonexistent/m.gguf"],
+                "I/O error on /nonexistent/m.gguf: No such file or directory",
+            ),
+            (vec!["--model", text.path()], "is not a GGUF file"),
+            (
+                vec!["--model", m, "--fault-injection"],
+                "configuration --fault-injection: for tests only",
+            ),
+        ] {
+            let e = check(&args).expect_err(&format!("{args:?} must be refused"));
+            assert!(e.contains(want), "{args:?}: {e}");
+        }
+        if !cfg!(feature = "cuda") {
+            let e = check(&["--model", m, "--device", "cuda"]).unwrap_err();
+            assert!(e.contains("built without CUDA support"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_effective_configuration_has_every_setting_and_no_key() {
+        let c = Config::try_parse_from([
+            "x",
+            "--model",
+            "/m/SmolLM2.Q4_1.gguf",
+            "--role",
+            "decode",
+            "--prefill",
+            "a:1,b:2",
+            "--group-key",
+            "s3cret",
+            "--kv-dtype",
+            "q8_0",
+            "--probe-period-seconds",
+            "0.5",
+            "--failure-threshold",
+            "4",
+            "--device",
+            "cuda:1",
+        ])
+        .unwrap();
+        let v = c.effective();
+        let cfg = &v["config"];
+        assert_eq!(cfg["role"], "decode");
+        assert_eq!(cfg["model"], "/m/SmolLM2.Q4_1.gguf");
+        assert_eq!(cfg["prefill_peers"], json!(["a:1", "b:2"]));
+        assert_eq!(cfg["kv_dtype"], "q8_0");
+        assert_eq!(cfg["device"], "cuda:1");
+        assert_eq!(cfg["port"], 8000);
+        assert_eq!(cfg["group_key"], "<redacted: 6 bytes>");
+        assert!(!v.to_string().contains("s3cret"), "{v}");
+        assert!(cfg.get("check_config").is_none());
+        assert_eq!(v["derived"]["served_model_name"], "SmolLM2.Q4_1");
+        assert_eq!(v["derived"]["liveness_window_seconds"], 2.0);
+        // Every flag is there: one key per argument clap knows, less `--check-config`.
+        use clap::CommandFactory;
+        let flags = Config::command()
+            .get_arguments()
+            .filter(|a| a.get_long().is_some_and(|l| l != "check-config"))
+            .count();
+        assert_eq!(cfg.as_object().unwrap().len(), flags, "{cfg}");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! `tandem-dataplane`: parse the configuration, build the serving stack, serve until
-//! SIGTERM/SIGINT, drain, exit 0.
+//! SIGTERM/SIGINT, drain, exit 0. With `--check-config`: check the configuration, print
+//! it as JSON and exit 0, or say what is wrong and exit 2 (as for a bad flag).
 
 use anyhow::Context;
 use clap::Parser;
@@ -13,6 +14,9 @@ const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_millis(600
 fn main() -> anyhow::Result<()> {
     tandem_dataplane::parent::die_with_parent()?; // no orphan when the local runtime dies
     let cfg = Config::parse();
+    if cfg.check_config {
+        return check_config(&cfg);
+    }
     init_tracing(cfg.log_format);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -26,6 +30,21 @@ fn main() -> anyhow::Result<()> {
     server::finish(app.state, app.engine_thread, SHUTDOWN_GRACE);
     rt.shutdown_timeout(std::time::Duration::from_millis(100));
     result
+}
+
+/// `--check-config`: exit 0 with the effective configuration on stdout, or exit 2 with
+/// the reason on stderr. Loads no model, binds nothing, logs nothing.
+fn check_config(cfg: &Config) -> anyhow::Result<()> {
+    match cfg.check() {
+        Ok(()) => {
+            println!("{}", serde_json::to_string_pretty(&cfg.effective())?);
+            Ok(())
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    }
 }
 
 async fn serve(cfg: &Config, state: std::sync::Arc<server::AppState>) -> anyhow::Result<()> {

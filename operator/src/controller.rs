@@ -11,8 +11,16 @@
 //!
 //! Owned objects are watched (metadata only) by the [`Controller`] just to trigger
 //! reconciles.
+//!
+//! One more read is not from the API server: a decode pod that runs, has started and is
+//! not ready is asked why, with `GET http://<podIP>:<http port>/ready` (at most
+//! [`READY_READS_AT_ONCE`] at a time, each bounded by [`crate::ready::TIMEOUT`]); the
+//! planner puts the answer in the group status and the `BootstrapHealthy` condition. A
+//! read that fails is a reason of its own (`probe_unreachable`, …), never a failed
+//! reconcile.
 
 use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -35,6 +43,7 @@ use crate::names;
 use crate::planner::{
     self, EventKind, Observed, ObservedPod, PlanInput, PlannedAction, PlannedEvent, PodPhase, Role,
 };
+use crate::ready::{self, HttpFetcher, ReadyFetcher};
 use crate::resources::{self, BuildError};
 
 /// Field manager of every server-side apply.
@@ -45,6 +54,8 @@ const ERROR_BACKOFF_BASE: Duration = Duration::from_secs(5);
 const ERROR_BACKOFF_MAX: Duration = Duration::from_secs(300);
 /// Kubernetes limits an event note to 1 kB.
 const MAX_NOTE: usize = 1024;
+/// Most `/ready` reads of decode pods in flight at once during one reconcile.
+pub const READY_READS_AT_ONCE: usize = 16;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -129,6 +140,8 @@ pub struct Context {
     pub reporter: Reporter,
     /// The planner's notion of now (fixed in tests).
     pub clock: Arc<dyn Fn() -> Timestamp + Send + Sync>,
+    /// Reads a not-ready decode pod's `/ready` (HTTP; canned in tests).
+    pub ready: Arc<dyn ReadyFetcher>,
     /// Consecutive failed reconciles per `namespace/name`, for the error backoff.
     failures: Mutex<HashMap<String, u32>>,
 }
@@ -141,8 +154,15 @@ impl Context {
             metrics,
             reporter,
             clock: Arc::new(Timestamp::now),
+            ready: Arc::new(HttpFetcher::default()),
             failures: Mutex::default(),
         }
+    }
+
+    /// Read `/ready` bodies with `fetcher` (tests).
+    pub fn with_ready_fetcher(mut self, fetcher: impl ReadyFetcher + 'static) -> Self {
+        self.ready = Arc::new(fetcher);
+        self
     }
 
     /// Use `client` for the watches (and the context's client for everything else).
@@ -211,7 +231,80 @@ pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
         group_ready_gate,
         deletion_deadline: pod.metadata.deletion_timestamp.as_ref().map(|t| t.0),
         waiting: waiting_reason(pod),
+        // Read from the pod itself over HTTP by `observe` (not from the API object).
+        ready_detail: None,
     })
+}
+
+/// Where to ask a pod why it is not ready: a decode pod that runs, has passed its startup
+/// probe (before that its port is closed while the model loads), is not ready and is not
+/// being deleted; at its pod IP and its container's `http` port.
+pub fn ready_target(pod: &Pod, observed: &ObservedPod) -> Option<SocketAddr> {
+    if observed.role != Role::Decode
+        || observed.phase != PodPhase::Running
+        || observed.ready
+        || observed.terminating
+    {
+        return None;
+    }
+    let status = pod.status.as_ref()?;
+    let started = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .find(|c| c.name == resources::CONTAINER)
+        .and_then(|c| c.started);
+    if started != Some(true) {
+        return None;
+    }
+    let ip: IpAddr = status.pod_ip.as_deref()?.parse().ok()?;
+    let port = pod
+        .spec
+        .as_ref()?
+        .containers
+        .iter()
+        .find(|c| c.name == resources::CONTAINER)?
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some(resources::HTTP_PORT_NAME))?
+        .container_port;
+    Some(SocketAddr::new(ip, u16::try_from(port).ok()?))
+}
+
+/// Ask each `(index into pods, address)` why it is not ready, a few at a time, and put
+/// the answer in the pod's `ready_detail`. Failures to read are reasons (logged and
+/// counted), never errors.
+async fn read_ready_details(
+    ctx: &Context,
+    pods: &mut [ObservedPod],
+    targets: Vec<(usize, SocketAddr)>,
+) {
+    let answers: Vec<_> = futures::stream::iter(targets)
+        .map(|(i, addr)| {
+            let read = ctx.ready.fetch(addr);
+            async move { (i, addr, read.await) }
+        })
+        .buffer_unordered(READY_READS_AT_ONCE)
+        .collect()
+        .await;
+    for (i, addr, answer) in answers {
+        let p = &mut pods[i];
+        let detail = ready::detail(answer);
+        let result = match &detail {
+            None => "ready",
+            Some(d) if ready::is_read_failure(&d.reason) => {
+                warn!(pod = %p.name, group = p.group, %addr, reason = %d.reason, "could not read why the decode is not ready: {}", d.message);
+                d.reason.as_str()
+            }
+            Some(d) => {
+                debug!(pod = %p.name, group = p.group, reason = %d.reason, "decode not ready: {}", d.message);
+                "not_ready"
+            }
+        };
+        ctx.metrics.ready_read(result);
+        p.ready_detail = detail;
+    }
 }
 
 /// The dataplane's own readiness and, when not ready, since when.
@@ -341,19 +434,26 @@ async fn observe(
         .await
         .map_err(Error::kube("listing pods"))?;
     let mut observed = Observed::default();
+    let mut ask = Vec::new();
     for pod in &pods.items {
         if !ours(&pod.metadata) {
             foreign.insert(("pod", pod.name_any()), describe_owner(&pod.metadata));
             continue;
         }
         match observe_pod(pod) {
-            Ok(p) => observed.pods.push(p),
+            Ok(p) => {
+                if let Some(addr) = ready_target(pod, &p) {
+                    ask.push((observed.pods.len(), addr));
+                }
+                observed.pods.push(p);
+            }
             Err(why) => {
                 ctx.metrics.unparsable_pods.inc();
                 warn!(pod = %pod.name_any(), deployment = name, namespace = ns, "skipping pod: {why}");
             }
         }
     }
+    read_ready_details(ctx, &mut observed.pods, ask).await;
     let all = ListParams::default();
     let services = Api::<Service>::namespaced(client.clone(), ns)
         .list_metadata(&all)
@@ -424,13 +524,17 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
     }
     let now = (ctx.clock)();
     let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
-    if let Err(why) = names::validate_deployment_name(&name) {
-        // Children could never be created (the API server refuses their names): say so
-        // once, and wait for the user instead of retrying forever.
+    let invalid = names::validate_deployment_name(&name)
+        .map_err(|why| ("InvalidName", why))
+        .and_then(|()| resources::check_role_args(&pdd.spec).map_err(|why| ("InvalidArgs", why)));
+    if let Err((reason, why)) = invalid {
+        // Children could never be created (the API server refuses their names) or would
+        // exit at once (the dataplane refuses their command line): say so once, and
+        // wait for the user instead of retrying forever.
         warn!("{why}");
         let mut status = pdd.status.clone().unwrap_or_default();
         status.observed_generation = pdd.metadata.generation;
-        report_once(&recorder, &pdd, &mut status, "InvalidName", &why, now).await;
+        report_once(&recorder, &pdd, &mut status, reason, &why, now).await;
         write_status(&api, &name, &status).await?;
         return Ok(Action::await_change());
     }
@@ -855,7 +959,7 @@ fn event_action(reason: &str) -> &'static str {
         "ScalingDown" => "ScaleDown",
         "InvalidRestartRequest" => "ParseAnnotation",
         "ApplyFailed" | "ObjectConflict" => "Apply",
-        "InvalidName" => "Validate",
+        "InvalidName" | "InvalidArgs" => "Validate",
         "PodForceDeleted" => "ForceDelete",
         r if crate::crd::CoRestartReason::ALL
             .iter()

@@ -510,6 +510,25 @@ pub struct GroupStatus {
     /// A reason for the current phase, when it is not self-explanatory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// Why a running decode pod of this incarnation is not ready, in the dataplane's own
+    /// words (its `/ready` body, docs/readiness.md); absent when no decode reports one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_not_ready: Option<DecodeNotReady>,
+}
+
+/// A decode pod's answer to `/ready` while it is not ready.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DecodeNotReady {
+    /// The decode pod.
+    pub pod: String,
+    /// The `/ready` body's `reason` (`auth_failed`, `probe_timeout`, …), or the
+    /// operator's own when the body could not be read (`probe_unreachable`,
+    /// `probe_unknown_format`, `probe_malformed`).
+    pub reason: String,
+    /// The body's `message` as it was when this reason first appeared (kept while the
+    /// reason stays the same, so that the status does not change on every probe).
+    pub message: String,
 }
 
 /// The part of the spec that shapes pods. Its hash is the revision: a change here

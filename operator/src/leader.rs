@@ -602,6 +602,70 @@ mod tests {
         }
 
         #[tokio::test]
+        async fn release_hands_our_lease_back_and_leaves_anothers_alone() {
+            let (e, mut h) = elector();
+            let mut ours = lease(Some("me-1"), None, 15);
+            ours.spec.as_mut().unwrap().renew_time = Some(MicroTime(Timestamp::now()));
+            let ours = serde_json::to_value(ours).unwrap();
+            let theirs = serde_json::to_value(lease(Some("other"), None, 15)).unwrap();
+            let server = tokio::spawn(async move {
+                // Ours: written back with no holder and a 1 s duration, at the
+                // resourceVersion read (a replica that took over meanwhile wins).
+                expect(&mut h, Method::GET, LEASE, 200, ours).await;
+                let body =
+                    expect(&mut h, Method::PUT, &format!("{LEASE}?"), 200, Value::Null).await;
+                assert_eq!(body["spec"]["holderIdentity"], Value::Null, "{body}");
+                assert_eq!(body["spec"]["leaseDurationSeconds"], 1);
+                assert_eq!(body["metadata"]["resourceVersion"], "7");
+                // Another's: read, never written.
+                expect(&mut h, Method::GET, LEASE, 200, theirs).await;
+                // Gone: nothing to release.
+                expect(&mut h, Method::GET, LEASE, 404, not_found()).await;
+                assert!(h.next_request().await.is_none(), "no write");
+            });
+            e.release().await.unwrap();
+            e.release().await.unwrap();
+            e.release().await.unwrap();
+            drop(e);
+            server.await.unwrap();
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_leader_that_finds_another_holder_reports_the_loss() {
+            let (e, mut h) = elector();
+            let (leader_tx, mut leader_rx) = watch::channel(false);
+            let (ok_tx, _ok_rx) = watch::channel(None);
+            let (_stop_tx, stop_rx) = watch::channel(false);
+            let server = tokio::spawn(async move {
+                expect(&mut h, Method::GET, LEASE, 404, not_found()).await;
+                expect(
+                    &mut h,
+                    Method::POST,
+                    "/apis/coordination.k8s.io/v1/namespaces/ops/leases?",
+                    201,
+                    Value::Null,
+                )
+                .await;
+                // Someone took the lease over (we were partitioned past its duration).
+                let mut taken = lease(Some("other"), None, 15);
+                taken.spec.as_mut().unwrap().renew_time = Some(MicroTime(Timestamp::now()));
+                expect(
+                    &mut h,
+                    Method::GET,
+                    LEASE,
+                    200,
+                    serde_json::to_value(taken).unwrap(),
+                )
+                .await;
+            });
+            let run = tokio::spawn(async move { e.run(leader_tx, ok_tx, stop_rx).await });
+            leader_rx.wait_for(|l| *l).await.unwrap();
+            assert_eq!(run.await.unwrap(), Outcome::Lost);
+            assert!(!*leader_rx.borrow(), "leadership withdrawn");
+            server.await.unwrap();
+        }
+
+        #[tokio::test]
         async fn stands_by_without_writing_while_another_holds_the_lease() {
             let (e, mut h) = elector();
             let mut live = lease(Some("other"), None, 15);

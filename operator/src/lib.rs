@@ -8,6 +8,7 @@ pub mod local;
 pub mod metrics;
 pub mod names;
 pub mod planner;
+pub mod ready;
 pub mod resources;
 pub mod server;
 

@@ -27,6 +27,12 @@ pub struct Metrics {
     pub is_leader: Gauge,
     pub unparsable_pods: Counter,
     pub force_deleted_pods: Counter,
+    pub ready_reads: Family<ResultLabel, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: String,
 }
 
 impl Default for Metrics {
@@ -48,6 +54,7 @@ impl Metrics {
         let is_leader = Gauge::default();
         let unparsable_pods = Counter::default();
         let force_deleted_pods = Counter::default();
+        let ready_reads = Family::<ResultLabel, Counter>::default();
         // Counters get their `_total` suffix from the encoder.
         registry.register(
             "reconciles",
@@ -89,6 +96,11 @@ impl Metrics {
             "Pods deleted with grace 0 because they stayed terminating past their grace period (node gone or kubelet hung)",
             force_deleted_pods.clone(),
         );
+        registry.register(
+            "decode_ready_reads",
+            "Reads of a not-ready decode pod's /ready by result: not_ready (it gave a reason), ready, or why it could not be read (probe_unreachable, probe_unknown_format, probe_malformed)",
+            ready_reads.clone(),
+        );
         Self {
             registry,
             reconciles,
@@ -99,7 +111,17 @@ impl Metrics {
             is_leader,
             unparsable_pods,
             force_deleted_pods,
+            ready_reads,
         }
+    }
+
+    /// Count one read of a decode pod's `/ready`.
+    pub fn ready_read(&self, result: &str) {
+        self.ready_reads
+            .get_or_create(&ResultLabel {
+                result: result.to_string(),
+            })
+            .inc();
     }
 
     /// Count a reconcile and time it until the returned guard drops.
@@ -169,6 +191,7 @@ mod tests {
         }
         m.reconcile_failed("kube_api");
         m.is_leader.set(1);
+        m.ready_read("probe_unreachable");
         m.plan_applied(&Plan {
             actions: vec![],
             status: PDDeploymentStatus::default(),
@@ -190,6 +213,7 @@ mod tests {
             "tandem_operator_group_ready_seconds_count 1",
             "tandem_operator_reconcile_duration_seconds_count 1",
             "tandem_operator_is_leader 1",
+            "tandem_operator_decode_ready_reads_total{result=\"probe_unreachable\"} 1",
         ] {
             assert!(text.contains(needle), "missing {needle:?} in\n{text}");
         }

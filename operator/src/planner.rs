@@ -23,7 +23,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use crate::crd::{
-    CoRestartReason, CoRestartRecord, GroupPhase, GroupStatus, PDDeploymentSpec,
+    CoRestartReason, CoRestartRecord, DecodeNotReady, GroupPhase, GroupStatus, PDDeploymentSpec,
     PDDeploymentStatus, RestartPolicy, RevisionedSpec, labels,
 };
 
@@ -88,6 +88,18 @@ pub struct ObservedPod {
     /// Why the pod is not running yet, when the scheduler or the kubelet said why
     /// (`Unschedulable: …`, `ImagePullBackOff: …`, `CreateContainerConfigError: …`).
     pub waiting: Option<String>,
+    /// Why a started, running, not-ready decode pod is not ready, as its `/ready` body
+    /// says; `None` for every other pod. The executors read it (the controller over HTTP,
+    /// the local runtime from its own probes); the planner only reports it.
+    pub ready_detail: Option<ReadyDetail>,
+}
+
+/// A not-ready dataplane's own account of why (docs/readiness.md): the body's `reason`
+/// and `message`, or the executor's reason when the body could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ReadyDetail {
+    pub reason: String,
+    pub message: String,
 }
 
 /// The observed cluster: pods and per-group objects the deployment owns.
@@ -220,6 +232,14 @@ pub struct Plan {
 /// A live kubelet removes a pod within its grace period; one that has not after this
 /// margin is on a node that is gone or hung, and would hold its group's co-restart forever.
 pub const FORCE_DELETE_MARGIN: Duration = Duration::from_secs(10);
+
+/// While a decode pod reports why it is not ready, plan again this often: its reason can
+/// change (`handshaking` → `auth_failed`) without its readiness changing, and so without
+/// any pod event that would trigger a reconcile.
+pub const READY_DETAIL_REFRESH: Duration = Duration::from_secs(5);
+
+/// Longest `/ready` message kept in the status (a condition message may hold several).
+const MAX_DETAIL_MESSAGE: usize = 512;
 
 /// Label selector of the client-facing decode pods.
 pub fn decode_selector(deployment: &str) -> String {
@@ -500,6 +520,7 @@ fn scale_down_group(
     }
     mem.phase = GroupPhase::ScalingDown;
     mem.bootstrap_healthy = false;
+    mem.decode_not_ready = None;
     close_gates(ctx, pods);
     if !remove_in_order(ctx, pods, DeleteReason::ScaleDown) {
         return Some(mem);
@@ -643,14 +664,18 @@ fn find_trigger(ctx: &Ctx<'_>, mem: &GroupStatus, pods: &[&ObservedPod]) -> Opti
         let since = p.not_ready_since.unwrap_or(input.now);
         let deadline = add(since, window);
         if deadline <= input.now {
+            let mut detail = format!(
+                "{} pod {} not ready for more than {}s",
+                p.role.as_str(),
+                p.name,
+                window.as_secs()
+            );
+            if let Some(d) = &p.ready_detail {
+                detail.push_str(&format!(": {}: {}", d.reason, d.message));
+            }
             return Some(Trigger {
                 reason: CoRestartReason::MemberNotReady,
-                detail: format!(
-                    "{} pod {} not ready for more than {}s",
-                    p.role.as_str(),
-                    p.name,
-                    window.as_secs()
-                ),
+                detail,
             });
         }
     }
@@ -685,6 +710,11 @@ fn step_group(
 ) -> GroupStatus {
     let g = mem.index;
     mem.message = None;
+    let prev_detail = mem.decode_not_ready.take();
+    mem.decode_not_ready = decode_not_ready(pods, mem.incarnation, prev_detail);
+    if mem.decode_not_ready.is_some() {
+        ctx.requeue_in(READY_DETAIL_REFRESH);
+    }
 
     if let Some(t) = fire
         && !co_restart(ctx, &mut mem, &t)
@@ -813,7 +843,54 @@ fn co_restart(ctx: &mut Ctx<'_>, mem: &mut GroupStatus, t: &Trigger) -> bool {
     mem.pods.clear();
     mem.ready_since = None;
     mem.bootstrap_healthy = false;
+    // The pod it was about belongs to the incarnation that is being removed.
+    mem.decode_not_ready = None;
     true
+}
+
+/// The first (by name) running decode pod of `incarnation` that reports why it is not
+/// ready. While the same pod keeps the same reason, the message remembered in `prev` is
+/// kept: a message may carry counters ("last PONG 8123 ms ago"), and a status that
+/// changed on every reconcile would trigger the next one.
+fn decode_not_ready(
+    pods: &[&ObservedPod],
+    incarnation: i64,
+    prev: Option<DecodeNotReady>,
+) -> Option<DecodeNotReady> {
+    let (pod, detail) = pods
+        .iter()
+        .filter(|p| {
+            p.role == Role::Decode
+                && p.incarnation == incarnation
+                && p.phase == PodPhase::Running
+                && !p.ready
+                && !p.terminating
+        })
+        .filter_map(|p| p.ready_detail.as_ref().map(|d| (p, d)))
+        .min_by(|a, b| a.0.name.cmp(&b.0.name))?;
+    if let Some(prev) = prev
+        && prev.pod == pod.name
+        && prev.reason == detail.reason
+    {
+        return Some(prev);
+    }
+    Some(DecodeNotReady {
+        pod: pod.name.clone(),
+        reason: detail.reason.clone(),
+        message: truncate(&detail.message, MAX_DETAIL_MESSAGE),
+    })
+}
+
+/// `s` cut to at most `max` bytes on a character boundary, marked with `…` when cut.
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut cut = max;
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}…", &s[..cut])
 }
 
 /// Create missing members in order (prefill, then decode once every prefill is Ready),
@@ -932,6 +1009,13 @@ fn build_group(
             p.name,
             p.waiting.as_deref().unwrap_or_default()
         ));
+    }
+    if !all_ready
+        && mem.message.is_none()
+        && let Some(d) = &mem.decode_not_ready
+    {
+        // What a running decode says about itself.
+        mem.message = Some(format!("decode pod {}: {}: {}", d.pod, d.reason, d.message));
     }
     if all_ready {
         if mem.ready_since.is_none() {

@@ -21,7 +21,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 
-use crate::crd::{HealthSpec, PDDeployment, PodTemplate, RevisionedSpec, conditions, labels};
+use crate::crd::{
+    HealthSpec, PDDeployment, PDDeploymentSpec, PodTemplate, RevisionedSpec, conditions, labels,
+};
 use crate::names;
 use crate::planner::{PodIntent, Role};
 
@@ -33,7 +35,8 @@ pub const SECRET_KEY: &str = "key";
 pub const GROUP_KEY_ENV: &str = "TANDEM_GROUP_KEY";
 /// Name of the model volume.
 const MODEL_VOLUME: &str = "model";
-const HTTP_PORT_NAME: &str = "http";
+/// Name of the container port of the dataplane's HTTP server (API, probes, metrics).
+pub const HTTP_PORT_NAME: &str = "http";
 const KV_PORT_NAME: &str = "kv";
 /// UID and GID dataplane pods run as unless their template says otherwise: the numeric
 /// non-root user of the images in `docker/`.
@@ -273,6 +276,36 @@ pub struct DataplaneInvocation {
     /// and namespace from field references; the local runtime resolves these the way the
     /// kubelet does.
     pub env: Vec<EnvVar>,
+}
+
+/// Flags [`dataplane_invocation`] puts on every member's command line (from the spec's
+/// model and transfer sections, the group and the executor), and `--check-config`. The
+/// dataplane refuses a flag given twice, so a spec's `args` must not repeat one.
+pub const OPERATOR_FLAGS: [&str; 7] = [
+    "--role",
+    "--model",
+    "--served-model-name",
+    "--port",
+    "--kv-port",
+    "--prefill",
+    "--check-config",
+];
+
+/// A spec whose `prefill.args` or `decode.args` repeat an [`OPERATOR_FLAGS`] flag: its
+/// pods would exit at once (`the argument '--port' cannot be used multiple times`). The
+/// error names the field and where the value belongs.
+pub fn check_role_args(spec: &PDDeploymentSpec) -> Result<(), String> {
+    for (role, r) in [("prefill", &spec.prefill), ("decode", &spec.decode)] {
+        for (i, a) in r.args.iter().enumerate() {
+            let flag = a.split_once('=').map_or(a.as_str(), |(f, _)| f);
+            if OPERATOR_FLAGS.contains(&flag) {
+                return Err(format!(
+                    "spec.{role}.args[{i}]: {flag} is set by the operator (from spec.model, spec.transfer and the group) and may not be repeated; remove it"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The dataplane arguments and environment of a planned member: the one definition both
@@ -1230,6 +1263,42 @@ mod tests {
         let r1 = RevisionedSpec::from_spec(&spec).revision();
         spec.health.startup_timeout_seconds = 1200;
         assert_ne!(RevisionedSpec::from_spec(&spec).revision(), r1);
+    }
+
+    #[test]
+    fn args_that_repeat_an_operator_flag_are_refused_by_field() {
+        let mut s = crate::testutil::spec(1);
+        s.decode.args = vec!["--max-batch".into(), "32".into()];
+        check_role_args(&s).unwrap();
+        s.decode.args.push("--port=9000".into());
+        assert_eq!(
+            check_role_args(&s).unwrap_err(),
+            "spec.decode.args[2]: --port is set by the operator (from spec.model, spec.transfer and the group) and may not be repeated; remove it"
+        );
+        s.decode.args.clear();
+        s.prefill.args = vec!["--model".into(), "/other.gguf".into()];
+        assert!(
+            check_role_args(&s)
+                .unwrap_err()
+                .starts_with("spec.prefill.args[0]: --model")
+        );
+        // The invocation sets every one of them (but --check-config).
+        let p = pdd(crate::testutil::spec(1));
+        for role in [Role::Prefill, Role::Decode] {
+            let i = intent(&p, role, 0);
+            let inv =
+                dataplane_invocation("demo", &i, &DataplaneNetwork::in_cluster("demo", "ns1", &i));
+            for f in OPERATOR_FLAGS.iter().filter(|f| **f != "--check-config") {
+                if *f == "--prefill" && role == Role::Prefill {
+                    continue;
+                }
+                assert!(
+                    inv.args.iter().any(|a| a == f),
+                    "{role:?} sets {f}: {:?}",
+                    inv.args
+                );
+            }
+        }
     }
 
     #[test]

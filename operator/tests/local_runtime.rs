@@ -11,15 +11,18 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
+use common::{dataplane, model, repo};
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
 use serde_json::{Value, json};
+
+mod common;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -29,64 +32,6 @@ const FAILURE_THRESHOLD: u64 = 3;
 const WINDOW: u64 = 4;
 /// The runtime's SIGTERM → SIGKILL delay in these tests.
 const GRACE: u64 = 3;
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-fn model() -> PathBuf {
-    let dir = std::env::var_os("TANDEM_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join(".cache/models"));
-    let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.is_file(),
-        "model {} not found: run `make model`",
-        p.display()
-    );
-    p
-}
-
-fn newest_source(dir: &Path) -> SystemTime {
-    let mut newest = SystemTime::UNIX_EPOCH;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if let Ok(m) = e.metadata().and_then(|m| m.modified()) {
-                newest = newest.max(m);
-            }
-        }
-    }
-    newest
-}
-
-/// The dataplane binary of this build, refusing a missing or stale one.
-fn dataplane() -> PathBuf {
-    let operator = PathBuf::from(env!("CARGO_BIN_EXE_tandem-operator"));
-    let bin = operator.with_file_name("tandem-dataplane");
-    let built = std::fs::metadata(&bin)
-        .and_then(|m| m.modified())
-        .unwrap_or_else(|e| {
-            panic!(
-                "{} missing ({e}): run `cargo build -p tandem-dataplane --bin tandem-dataplane` (make test does)",
-                bin.display()
-            )
-        });
-    for src in ["dataplane/src", "kernels/src"] {
-        assert!(
-            newest_source(&repo().join(src)) <= built,
-            "{} is older than {src}: run `cargo build -p tandem-dataplane --bin tandem-dataplane`",
-            bin.display()
-        );
-    }
-    bin
-}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -256,7 +201,17 @@ struct Local {
 }
 
 impl Local {
+    /// Start the runtime and wait for its group to serve.
     fn start(name: &str, manifest: &str) -> Self {
+        let mut l = Self::spawn(name, manifest);
+        l.wait_for("the group to serve", Duration::from_secs(180), |l| {
+            l.get("/ready").status == 200
+        });
+        l
+    }
+
+    /// Start the runtime; return once it is started (not waiting for the group).
+    fn spawn(name: &str, manifest: &str) -> Self {
         let dir = std::env::temp_dir().join(format!(
             "tandem-local-test-{name}-{}-{}",
             std::process::id(),
@@ -285,17 +240,13 @@ impl Local {
             .stderr(out)
             .spawn()
             .expect("start tandem-operator local");
-        let mut l = Self {
+        Self {
             child,
             addr: SocketAddr::from(([127, 0, 0, 1], port)),
             dir,
             file,
             exited: None,
-        };
-        l.wait_for("the group to serve", Duration::from_secs(180), |l| {
-            l.get("/ready").status == 200
-        });
-        l
+        }
     }
 
     fn log(&self) -> String {
@@ -795,4 +746,63 @@ fn a_manifest_a_cluster_would_refuse_is_refused_before_anything_starts() {
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_decode_with_the_wrong_group_key_says_auth_failed_in_the_group_status() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // The decode's own `--group-key` comes after the operator's variable and wins: it
+    // holds another key than its prefill.
+    let m = manifest("wrongkey", |m| {
+        m["spec"]["decode"]["args"] =
+            serde_yaml::from_str("[--kv-blocks, '128', --group-key, not-the-group-key]").unwrap();
+    });
+    let mut l = Local::spawn("wrongkey", &m);
+    let took = l.wait_for(
+        "auth_failed in the group status",
+        Duration::from_secs(180),
+        |l| l.group()["decodeNotReady"]["reason"] == "auth_failed",
+    );
+    eprintln!("runtime start → auth_failed in the status: {took:?}");
+    let st = l.status();
+    let g = &st["status"]["groupStatuses"][0];
+    let d = l.member("decode", 1);
+    assert_eq!(g["decodeNotReady"]["pod"], name_of(&d), "{g:#}");
+    assert_eq!(g["phase"], "StartingDecode", "{g:#}");
+    let message = g["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(&format!(
+            "decode pod {}: auth_failed: handshake 127.0.0.1:",
+            name_of(&d)
+        )),
+        "{message}"
+    );
+    let c = st["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "BootstrapHealthy")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (c["status"].as_str(), c["reason"].as_str()),
+        (Some("False"), Some("auth_failed")),
+        "{c:#}"
+    );
+    assert!(
+        c["message"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("group 0 decode pod {}: auth_failed:", name_of(&d))),
+        "{c:#}"
+    );
+    // Nothing serves, and the record says why.
+    assert_eq!(l.get("/ready").status, 503);
+    assert!(
+        l.record().iter().any(|e| e["kind"] == "NotReady"
+            && e["pod"] == name_of(&d).as_str()
+            && e["message"].as_str().unwrap().contains("auth_failed")),
+        "{:#?}",
+        l.record()
+    );
 }

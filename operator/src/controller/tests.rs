@@ -1,9 +1,13 @@
 //! Reconcile against a recorded mock API server (kube's tower-test pattern): every test
 //! writes out the exact request sequence it expects and answers each request.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
+use futures::future::BoxFuture;
 use http::{Method, Request, Response, StatusCode};
 use k8s_openapi::api::core::v1::{
     ContainerState, ContainerStateWaiting, ContainerStatus, Pod, PodCondition, PodStatus,
@@ -355,7 +359,39 @@ impl MockApi {
     }
 }
 
-fn context() -> (Arc<Context>, MockApi) {
+/// Canned `/ready` answers by address (the HTTP read itself is tested against a real
+/// server in `ready::tests`); an address without one is refused. Records who was asked.
+#[derive(Clone, Default)]
+struct FakeReady {
+    answers: HashMap<SocketAddr, Result<(StatusCode, Bytes), String>>,
+    asked: Arc<Mutex<Vec<SocketAddr>>>,
+}
+
+impl FakeReady {
+    fn answer(mut self, addr: &str, status: StatusCode, body: Value) -> Self {
+        let body = Bytes::from(serde_json::to_vec(&body).unwrap());
+        self.answers
+            .insert(addr.parse().unwrap(), Ok((status, body)));
+        self
+    }
+
+    fn asked(&self) -> Vec<SocketAddr> {
+        self.asked.lock().unwrap().clone()
+    }
+}
+
+impl ReadyFetcher for FakeReady {
+    fn fetch(&self, addr: SocketAddr) -> BoxFuture<'static, Result<(StatusCode, Bytes), String>> {
+        self.asked.lock().unwrap().push(addr);
+        let answer =
+            self.answers.get(&addr).cloned().unwrap_or_else(|| {
+                Err(format!("connect {addr}: Connection refused (os error 111)"))
+            });
+        Box::pin(async move { answer })
+    }
+}
+
+fn context(ready: FakeReady) -> (Arc<Context>, MockApi) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, NS);
     let ctx = Context::new(
@@ -366,7 +402,8 @@ fn context() -> (Arc<Context>, MockApi) {
             instance: Some("test".into()),
         },
     )
-    .with_clock(now);
+    .with_clock(now)
+    .with_ready_fetcher(ready);
     (Arc::new(ctx), MockApi { handle })
 }
 
@@ -378,7 +415,19 @@ async fn run<F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    let (ctx, api) = context();
+    run_with(trigger, FakeReady::default(), script).await
+}
+
+/// Same, with `ready` answering the decode pods' `/ready`.
+async fn run_with<F>(
+    trigger: PDDeployment,
+    ready: FakeReady,
+    script: impl FnOnce(MockApi) -> F,
+) -> (Result<Action, Error>, Arc<Metrics>)
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (ctx, api) = context(ready);
     let metrics = ctx.metrics.clone();
     let server = tokio::spawn(script(api));
     let result = tokio::time::timeout(Duration::from_secs(10), reconcile(Arc::new(trigger), ctx))
@@ -764,7 +813,7 @@ async fn an_api_error_reaches_the_status_and_an_event_once() {
         err.to_string().contains("creating pod demo-g0-i1-d0"),
         "{err}"
     );
-    let ctx = context().0;
+    let ctx = context(FakeReady::default()).0;
     let requeue = error_policy(Arc::new(pdd(None)), &err, ctx.clone());
     assert_eq!(requeue, Action::requeue(Duration::from_secs(5)));
     let requeue = error_policy(Arc::new(pdd(None)), &err, ctx.clone());
@@ -879,6 +928,42 @@ async fn a_name_that_cannot_make_child_names_is_reported_not_retried() {
 }
 
 #[tokio::test]
+async fn args_that_repeat_an_operator_flag_are_reported_not_run() {
+    // `--port` in the decode's args: the dataplane would refuse the pod's command line
+    // (the flag twice) and the pod would exit at once, group after group.
+    let mut bad = pdd(None);
+    bad.spec.decode.args = vec!["--port".into(), "9000".into()];
+    let (result, _) = run(bad.clone(), |mut api| async move {
+        api.next(Method::GET, PDD_PATH)
+            .await
+            .reply(StatusCode::OK, serde_json::to_value(&bad).unwrap());
+        let ev = api.next(Method::POST, &format!("{EVENTS}?")).await;
+        assert_eq!(ev.body["reason"], "InvalidArgs");
+        assert_eq!(ev.body["action"], "Validate");
+        ev.echo();
+        let status = api.status().await;
+        let d = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == conditions::DEGRADED)
+            .unwrap();
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str()),
+            ("True", "InvalidArgs")
+        );
+        assert!(
+            d.message
+                .starts_with("spec.decode.args[0]: --port is set by the operator"),
+            "{}",
+            d.message
+        );
+        api.done().await;
+    })
+    .await;
+    assert_eq!(result.unwrap(), Action::await_change());
+}
+
+#[tokio::test]
 async fn a_deleted_deployment_is_left_to_the_garbage_collector() {
     let (result, _) = run(pdd(None), |mut api| async move {
         api.next(Method::GET, PDD_PATH).await.reply(
@@ -890,6 +975,190 @@ async fn a_deleted_deployment_is_left_to_the_garbage_collector() {
     })
     .await;
     assert_eq!(result.unwrap(), Action::await_change());
+}
+
+/// A decode pod whose container has started (the startup probe passed) and is not
+/// ready, at `ip`.
+fn started_decode(ip: &str) -> Pod {
+    let mut pod = member(Role::Decode, 1, "Running", false, Some(false));
+    let status = pod.status.as_mut().unwrap();
+    status.pod_ip = Some(ip.into());
+    status.container_statuses = Some(vec![ContainerStatus {
+        name: resources::CONTAINER.into(),
+        started: Some(true),
+        ready: false,
+        ..Default::default()
+    }]);
+    pod
+}
+
+/// A format-1 `/ready` body as a decode whose handshake was refused sends it.
+fn auth_failed_body() -> Value {
+    let message = "handshake prefill-0.demo-g0-bootstrap.default.svc:5600: no authenticated session: we refused the prefill: WELCOME MAC does not verify with the group key (auth_failed)";
+    json!({"format": 1, "ready": false, "role": "decode", "reason": "auth_failed",
+           "message": message,
+           "checks": [
+               {"name": "engine_heartbeat", "ok": true, "reason": null, "detail": "engine loop last went round 3 ms ago (limit 10000 ms)"},
+               {"name": "handshake prefill-0.demo-g0-bootstrap.default.svc:5600", "ok": false,
+                "reason": "auth_failed", "detail": "no authenticated session: ..."}],
+           "peers": []})
+}
+
+/// The status of a group whose prefill is Ready and whose decode was just created.
+fn decode_created() -> PDDeploymentStatus {
+    let prefill = member(Role::Prefill, 1, "Running", true, None);
+    status_after(Some(&status_after(None, &[])), &[prefill])
+}
+
+#[tokio::test]
+async fn a_not_ready_decode_says_why_in_the_group_status_and_the_condition() {
+    let prefill = member(Role::Prefill, 1, "Running", true, None);
+    let decode = started_decode("10.1.2.3");
+    let trigger = pdd(Some(decode_created()));
+    let ready = FakeReady::default().answer(
+        "10.1.2.3:8000",
+        StatusCode::SERVICE_UNAVAILABLE,
+        auth_failed_body(),
+    );
+    let asked = ready.clone();
+    let (result, metrics) = run_with(trigger.clone(), ready, |mut api| async move {
+        api.reads(&trigger, &[prefill, decode], true).await;
+        api.objects().await;
+        let status = api.status().await;
+        let g = &status.group_statuses[0];
+        assert_eq!(g.phase, GroupPhase::StartingDecode);
+        let d = g.decode_not_ready.as_ref().expect("the decode's reason");
+        assert_eq!(d.pod, "demo-g0-i1-d0");
+        assert_eq!(d.reason, "auth_failed");
+        let said = auth_failed_body()["message"].as_str().unwrap().to_string();
+        assert_eq!(d.message, said);
+        assert_eq!(
+            g.message.as_deref(),
+            Some(format!("decode pod demo-g0-i1-d0: auth_failed: {said}").as_str())
+        );
+        let c = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == conditions::BOOTSTRAP_HEALTHY)
+            .unwrap();
+        assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", "auth_failed"));
+        assert_eq!(
+            c.message,
+            format!(
+                "KV channel not healthy in groups 0; group 0 decode pod demo-g0-i1-d0: auth_failed: {said}"
+            )
+        );
+        api.done().await;
+    })
+    .await;
+    // Asked again soon: the reason may change without the pod's readiness changing.
+    assert_eq!(
+        result.unwrap(),
+        Action::requeue(planner::READY_DETAIL_REFRESH)
+    );
+    // Only the decode was asked, at its pod IP and `http` container port.
+    assert_eq!(asked.asked(), ["10.1.2.3:8000".parse().unwrap()]);
+    assert!(
+        metrics
+            .encode()
+            .contains("tandem_operator_decode_ready_reads_total{result=\"not_ready\"} 1")
+    );
+}
+
+#[tokio::test]
+async fn a_decode_that_cannot_be_read_is_a_reason_not_a_failed_reconcile() {
+    let format_2 = json!({"format": 2, "ready": false, "reason": "auth_failed"});
+    for (ready, reason, says) in [
+        (
+            FakeReady::default(),
+            "probe_unreachable",
+            "connect 10.1.2.3:8000: Connection refused (os error 111)",
+        ),
+        (
+            FakeReady::default().answer("10.1.2.3:8000", StatusCode::SERVICE_UNAVAILABLE, format_2),
+            "probe_unknown_format",
+            "/ready body has format 2; this operator reads format 1 (answered 503 Service Unavailable)",
+        ),
+    ] {
+        let prefill = member(Role::Prefill, 1, "Running", true, None);
+        let decode = started_decode("10.1.2.3");
+        let trigger = pdd(Some(decode_created()));
+        let (result, metrics) = run_with(trigger.clone(), ready, |mut api| async move {
+            api.reads(&trigger, &[prefill, decode], true).await;
+            api.objects().await;
+            let status = api.status().await;
+            let d = status.group_statuses[0].decode_not_ready.clone().unwrap();
+            assert_eq!((d.reason.as_str(), d.message.as_str()), (reason, says));
+            let c = status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == conditions::BOOTSTRAP_HEALTHY)
+                .unwrap();
+            assert_eq!(c.reason, reason);
+            api.done().await;
+        })
+        .await;
+        result.unwrap();
+        let text = metrics.encode();
+        let line = format!("tandem_operator_decode_ready_reads_total{{result=\"{reason}\"}} 1");
+        assert!(text.contains(&line), "{line} in\n{text}");
+        assert!(
+            !text.contains("tandem_operator_reconcile_errors_total{"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn only_started_running_not_ready_decode_pods_are_asked_why() {
+    let target = |pod: &Pod| ready_target(pod, &observe_pod(pod).unwrap());
+    assert_eq!(
+        target(&started_decode("10.1.2.3")),
+        Some("10.1.2.3:8000".parse().unwrap())
+    );
+    assert_eq!(
+        target(&started_decode("fd00::5")),
+        Some("[fd00::5]:8000".parse().unwrap())
+    );
+    // The container's `http` port, not a fixed one.
+    let mut other_port = started_decode("10.1.2.3");
+    other_port.spec.as_mut().unwrap().containers[0]
+        .ports
+        .as_mut()
+        .unwrap()[0]
+        .container_port = 9000;
+    assert_eq!(target(&other_port), Some("10.1.2.3:9000".parse().unwrap()));
+
+    // Still loading the model (startup probe not passed): its port is closed.
+    let mut loading = started_decode("10.1.2.3");
+    loading
+        .status
+        .as_mut()
+        .unwrap()
+        .container_statuses
+        .as_mut()
+        .unwrap()[0]
+        .started = Some(false);
+    assert_eq!(target(&loading), None);
+    // No IP yet, being deleted, ready, or a prefill: not asked.
+    let mut no_ip = started_decode("10.1.2.3");
+    no_ip.status.as_mut().unwrap().pod_ip = None;
+    assert_eq!(target(&no_ip), None);
+    let mut deleting = started_decode("10.1.2.3");
+    deleting.metadata.deletion_timestamp = Some(Time(now()));
+    assert_eq!(target(&deleting), None);
+    let mut ready = started_decode("10.1.2.3");
+    for c in ready.status.as_mut().unwrap().conditions.as_mut().unwrap() {
+        c.status = "True".into();
+    }
+    assert_eq!(target(&ready), None);
+    let mut prefill = member(Role::Prefill, 1, "Running", false, None);
+    prefill.status.as_mut().unwrap().pod_ip = Some("10.1.2.4".into());
+    prefill.status.as_mut().unwrap().container_statuses = started_decode("10.1.2.3")
+        .status
+        .unwrap()
+        .container_statuses;
+    assert_eq!(target(&prefill), None);
 }
 
 #[test]

@@ -582,7 +582,8 @@ impl<P: Processes> Executor<P> {
             .push(now, EntryKind::Exited, true, group, Some(pod), "", msg);
     }
 
-    /// A probe result; returns true when the member's readiness changed.
+    /// A probe result; returns true when the member's readiness changed, or the reason a
+    /// not-ready decode gives.
     pub fn on_probe(&mut self, pod: &str, outcome: ProbeOutcome, now: Timestamp) -> bool {
         let Some(m) = self.members.get_mut(pod) else {
             return false;
@@ -591,8 +592,26 @@ impl<P: Processes> Executor<P> {
             return false;
         }
         let threshold = m.health.failure_threshold;
+        let before = m.observe().ready_detail.map(|d| d.reason);
         if !m.readiness.record(outcome, threshold, now) {
-            return false;
+            // Readiness unchanged; a new reason of a not-ready decode is news for the
+            // status (`handshaking` → `auth_failed`), so the planner runs again.
+            let Some(now_says) = m.observe().ready_detail else {
+                return false;
+            };
+            if before.as_ref() == Some(&now_says.reason) {
+                return false;
+            }
+            let msg = format!(
+                "{} {pod} is not ready: {}: {}",
+                m.role.as_str(),
+                now_says.reason,
+                now_says.message
+            );
+            let g = m.group;
+            self.record
+                .push(now, EntryKind::NotReady, true, g, Some(pod), "", msg);
+            return true;
         }
         let (kind, msg) = if m.readiness.ready {
             (

@@ -110,6 +110,7 @@ pub fn parse(text: &str, cwd: &Path, manifest_dir: &Path) -> Result<Manifest, St
         serde_json::from_value(doc).map_err(|e| format!("not a PDDeployment: {e}"))?;
     let name = pdd.metadata.name.clone().ok_or("metadata.name: required")?;
     names::validate_deployment_name(&name)?;
+    crate::resources::check_role_args(&pdd.spec)?;
     let restart_requested_at = restart_requested_at(&pdd)?;
     let model = resolve_model(&pdd.spec.model.path, cwd, manifest_dir)?;
     pdd.spec.model.path = model.to_string_lossy().into_owned();

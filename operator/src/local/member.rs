@@ -6,6 +6,9 @@
 //! - `ready` is the container's readiness (`ContainersReady`): false at start, true after
 //!   one successful `/ready` probe, false again after `failureThreshold` failures in a
 //!   row; `not_ready_since` is when it last turned false;
+//! - `ready_detail` of a decode that has answered once and is not ready is the reason of
+//!   its latest `/ready` body (what the controller reads from a started pod), or
+//!   `probe_unreachable` when it stopped answering;
 //! - a member the runtime has signalled (a planned delete) is `terminating` until it
 //!   exits, and is then gone;
 //! - the readiness gate is membership in the local router.
@@ -17,7 +20,8 @@ use k8s_openapi::jiff::Timestamp;
 use serde::Serialize;
 
 use crate::crd::HealthSpec;
-use crate::planner::{ObservedPod, PodPhase, Role};
+use crate::planner::{ObservedPod, PodPhase, ReadyDetail, Role};
+use crate::ready;
 
 /// What one `/ready` probe found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,7 +29,7 @@ pub enum ProbeOutcome {
     /// 200.
     Ready,
     /// The server answered, but not 200: the reason from its `/ready` body.
-    NotReady(String),
+    NotReady(ReadyDetail),
     /// No answer: refused (still loading the model), timed out, or reset.
     Unreachable(String),
 }
@@ -43,6 +47,9 @@ pub struct Readiness {
     pub failures: u32,
     /// Latest probe result in words.
     pub detail: String,
+    /// Why the latest probe failed, once the server has answered: its body's reason, or
+    /// `probe_unreachable`. `None` after a success.
+    pub reason: Option<ReadyDetail>,
 }
 
 impl Readiness {
@@ -53,6 +60,7 @@ impl Readiness {
             answered: false,
             failures: 0,
             detail: "loading the model".into(),
+            reason: None,
         }
     }
 
@@ -70,19 +78,25 @@ impl Readiness {
                 self.failures = 0;
                 self.ready = true;
                 self.detail = "ready".into();
+                self.reason = None;
             }
             ProbeOutcome::NotReady(why) => {
                 self.answered = true;
                 self.fail(failure_threshold);
-                self.detail = format!("not ready: {why}");
+                self.detail = format!("not ready: {}: {}", why.reason, why.message);
+                self.reason = Some(why);
             }
             ProbeOutcome::Unreachable(why) => {
                 self.fail(failure_threshold);
-                self.detail = if self.answered {
-                    format!("no answer: {why}")
+                if self.answered {
+                    self.detail = format!("no answer: {why}");
+                    self.reason = Some(ReadyDetail {
+                        reason: ready::UNREACHABLE.into(),
+                        message: why,
+                    });
                 } else {
-                    "loading the model".into()
-                };
+                    self.detail = "loading the model".into();
+                }
             }
         }
         if self.ready != was {
@@ -181,6 +195,14 @@ impl Member {
             (Some(e), false) if self.readiness.ready => Some(e.at),
             (_, false) => Some(self.readiness.since),
         };
+        // What the controller would read: only from a decode that runs, has started and
+        // is not ready.
+        let ready_detail =
+            if self.role == Role::Decode && self.alive() && self.terminating.is_none() && !ready {
+                self.readiness.reason.clone()
+            } else {
+                None
+            };
         ObservedPod {
             name: self.name.clone(),
             group: self.group,
@@ -197,6 +219,7 @@ impl Member {
             deletion_deadline: None,
             // A local member runs as soon as it is spawned (a spawn failure is an exit).
             waiting: None,
+            ready_detail,
         }
     }
 
@@ -261,6 +284,13 @@ mod tests {
         }
     }
 
+    fn not_ready(message: &str) -> ProbeOutcome {
+        ProbeOutcome::NotReady(ReadyDetail {
+            reason: "probe_timeout".into(),
+            message: message.into(),
+        })
+    }
+
     #[test]
     fn readiness_follows_the_kubelet_rules() {
         let mut r = Readiness::new(t(0));
@@ -273,22 +303,57 @@ mod tests {
         assert!(r.ready && r.answered);
         assert_eq!(r.since, t(2));
         // Failures below the threshold keep it ready.
-        assert!(!r.record(ProbeOutcome::NotReady("channel down".into()), 3, t(3)));
+        assert!(!r.record(not_ready("channel down"), 3, t(3)));
         assert!(!r.record(ProbeOutcome::Unreachable("timed out".into()), 3, t(4)));
         assert!(r.ready);
         assert_eq!(r.detail, "no answer: timed out");
         // The threshold-th failure in a row flips it, stamped now.
-        assert!(r.record(ProbeOutcome::NotReady("channel down".into()), 3, t(5)));
+        assert!(r.record(not_ready("channel down"), 3, t(5)));
         assert!(!r.ready);
         assert_eq!(r.since, t(5));
-        assert_eq!(r.detail, "not ready: channel down");
+        assert_eq!(r.detail, "not ready: probe_timeout: channel down");
+        assert_eq!(r.reason.as_ref().unwrap().reason, "probe_timeout");
         // A success in between resets the count.
         assert!(r.record(ProbeOutcome::Ready, 3, t(6)));
-        r.record(ProbeOutcome::NotReady("x".into()), 3, t(7));
+        r.record(not_ready("x"), 3, t(7));
         r.record(ProbeOutcome::Ready, 3, t(8));
-        r.record(ProbeOutcome::NotReady("x".into()), 3, t(9));
-        r.record(ProbeOutcome::NotReady("x".into()), 3, t(10));
+        r.record(not_ready("x"), 3, t(9));
+        r.record(not_ready("x"), 3, t(10));
         assert!(r.ready, "never three failures in a row");
+        assert!(r.record(ProbeOutcome::Ready, 3, t(11)) || r.ready);
+        assert_eq!(r.reason, None, "a success forgets the reason");
+    }
+
+    #[test]
+    fn a_not_ready_decode_tells_the_planner_why_once_it_has_answered() {
+        let mut m = member(Role::Decode);
+        // Loading: refused connections are no reason (a pod before its startup probe).
+        m.readiness
+            .record(ProbeOutcome::Unreachable("refused".into()), 3, t(1));
+        assert_eq!(m.observe().ready_detail, None);
+        m.readiness.record(not_ready("no session"), 3, t(2));
+        let d = m.observe().ready_detail.unwrap();
+        assert_eq!(
+            (d.reason.as_str(), d.message.as_str()),
+            ("probe_timeout", "no session")
+        );
+        // Once it has answered, silence is a reason of its own.
+        m.readiness.record(
+            ProbeOutcome::Unreachable("timed out after 1s".into()),
+            3,
+            t(3),
+        );
+        let d = m.observe().ready_detail.unwrap();
+        assert_eq!(
+            (d.reason.as_str(), d.message.as_str()),
+            ("probe_unreachable", "timed out after 1s")
+        );
+        // Ready: nothing to say; a prefill is never asked.
+        m.readiness.record(ProbeOutcome::Ready, 3, t(4));
+        assert_eq!(m.observe().ready_detail, None);
+        let mut p = member(Role::Prefill);
+        p.readiness.record(not_ready("x"), 3, t(2));
+        assert_eq!(p.observe().ready_detail, None);
     }
 
     #[test]

@@ -131,6 +131,7 @@ impl Sim {
                         group_ready_gate: false,
                         deletion_deadline: None,
                         waiting: None,
+                        ready_detail: None,
                     },
                 );
             }
@@ -283,6 +284,19 @@ impl Sim {
             p.ready = ready;
             p.not_ready_since = if ready { None } else { Some(now) };
         }
+        if ready {
+            // The executors read `/ready` of not-ready pods only.
+            p.ready_detail = None;
+        }
+    }
+
+    /// A running decode answers `/ready` with `reason` (the executor read it).
+    pub fn report(&mut self, name: &str, reason: &str, message: &str) {
+        self.set_ready(name, false);
+        self.pods.get_mut(name).expect("pod exists").ready_detail = Some(ReadyDetail {
+            reason: reason.into(),
+            message: message.into(),
+        });
     }
 
     pub fn fail(&mut self, name: &str) {

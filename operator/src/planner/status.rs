@@ -5,7 +5,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
 use super::{Ctx, decode_selector};
-use crate::crd::{GroupPhase, GroupStatus, PDDeploymentStatus, conditions};
+use crate::crd::{DecodeNotReady, GroupPhase, GroupStatus, PDDeploymentStatus, conditions};
+
+/// Groups whose decode reason is spelled out in the `BootstrapHealthy` message.
+const MAX_REPORTED_GROUPS: usize = 5;
 
 pub(super) fn summarize(
     ctx: &Ctx<'_>,
@@ -141,21 +144,46 @@ pub(super) fn summarize(
         .map(|g| g.index)
         .collect();
     let healthy = unhealthy.is_empty();
+    // What the not-ready decode pods say about themselves, lowest group first.
+    let reported: Vec<(i32, &DecodeNotReady)> = in_range()
+        .filter(|g| !g.bootstrap_healthy)
+        .filter_map(|g| g.decode_not_ready.as_ref().map(|d| (g.index, d)))
+        .collect();
+    let (reason, message) = if healthy {
+        (
+            "AllChannelsHealthy".to_string(),
+            format!("every decode of {desired} groups reports its KV channel healthy"),
+        )
+    } else {
+        let mut message = format!("KV channel not healthy in groups {}", list(&unhealthy));
+        for (g, d) in reported.iter().take(MAX_REPORTED_GROUPS) {
+            message.push_str(&format!(
+                "; group {g} decode pod {}: {}: {}",
+                d.pod, d.reason, d.message
+            ));
+        }
+        if reported.len() > MAX_REPORTED_GROUPS {
+            message.push_str(&format!(
+                "; {} more groups report a reason",
+                reported.len() - MAX_REPORTED_GROUPS
+            ));
+        }
+        // The first decode's own reason, verbatim when Kubernetes accepts it as a
+        // condition reason (every reason of docs/readiness.md does).
+        let reason = match reported.first() {
+            Some((_, d)) if is_condition_reason(&d.reason) => d.reason.clone(),
+            Some(_) => "DecodeNotReady".to_string(),
+            None => "ChannelNotReady".to_string(),
+        };
+        (reason, message)
+    };
     set_condition(
         &mut conditions,
         prev_conds,
         conditions::BOOTSTRAP_HEALTHY,
         healthy,
-        if healthy {
-            "AllChannelsHealthy"
-        } else {
-            "ChannelNotReady"
-        },
-        if healthy {
-            format!("every decode of {desired} groups reports its KV channel healthy")
-        } else {
-            format!("KV channel not healthy in groups {}", list(&unhealthy))
-        },
+        &reason,
+        message,
         now,
         generation,
     );
@@ -171,6 +199,22 @@ pub(super) fn summarize(
         conditions,
         group_statuses,
         current_template: Some(current_template),
+    }
+}
+
+/// Whether the API server accepts `s` as a condition's `reason`: at most 1024 characters
+/// matching `^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$`.
+pub(crate) fn is_condition_reason(s: &str) -> bool {
+    let b = s.as_bytes();
+    let inner = |c: &u8| c.is_ascii_alphanumeric() || matches!(c, b'_' | b',' | b':');
+    match (b.first(), b.last()) {
+        (Some(first), Some(last)) => {
+            b.len() <= 1024
+                && first.is_ascii_alphabetic()
+                && (last.is_ascii_alphanumeric() || *last == b'_')
+                && b.iter().all(inner)
+        }
+        _ => false,
     }
 }
 

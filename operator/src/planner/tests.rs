@@ -734,3 +734,206 @@ fn a_held_back_co_restart_keeps_the_status_still() {
     sim.reconcile();
     assert_eq!(sim.status.clone().unwrap(), first);
 }
+
+/// A sim whose group 0 has a Ready prefill and a running, not-ready decode.
+fn decode_starting() -> (Sim, String) {
+    let mut sim = Sim::new(spec(1));
+    sim.reconcile();
+    sim.start_pending();
+    sim.reconcile(); // creates the decode
+    let d = only_pod(&sim, 0, Role::Decode);
+    sim.set_ready(&d, false);
+    (sim, d)
+}
+
+#[test]
+fn a_decode_reason_reaches_the_group_status_and_the_condition() {
+    let (mut sim, d) = decode_starting();
+    let plan = sim.reconcile();
+    assert_eq!(
+        sim.group(0).decode_not_ready,
+        None,
+        "no reason reported yet"
+    );
+    let c = condition_of(&sim, conditions::BOOTSTRAP_HEALTHY);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", "ChannelNotReady")
+    );
+    assert_eq!(plan.requeue_after, None);
+
+    let said = "handshake prefill-0.demo-g0-bootstrap.ns.svc:5600: no authenticated session: we refused the prefill: WELCOME MAC does not verify with the group key (auth_failed)";
+    sim.report(&d, "auth_failed", said);
+    let plan = sim.reconcile();
+    let g = sim.group(0);
+    assert_eq!(g.phase, GroupPhase::StartingDecode);
+    assert_eq!(
+        g.decode_not_ready,
+        Some(crate::crd::DecodeNotReady {
+            pod: d.clone(),
+            reason: "auth_failed".into(),
+            message: said.into(),
+        })
+    );
+    assert_eq!(
+        g.message.as_deref(),
+        Some(format!("decode pod {d}: auth_failed: {said}").as_str())
+    );
+    let c = condition_of(&sim, conditions::BOOTSTRAP_HEALTHY);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", "auth_failed")
+    );
+    assert_eq!(
+        c.message,
+        format!("KV channel not healthy in groups 0; group 0 decode pod {d}: auth_failed: {said}")
+    );
+    // Looked at again soon, so that a change of reason shows without a pod event.
+    assert_eq!(plan.requeue_after, Some(READY_DETAIL_REFRESH));
+
+    // The decode heals: nothing to report, the condition turns True.
+    sim.set_ready(&d, true);
+    sim.reconcile();
+    assert_eq!(sim.group(0).decode_not_ready, None);
+    assert_eq!(sim.group(0).phase, GroupPhase::Ready);
+    let c = condition_of(&sim, conditions::BOOTSTRAP_HEALTHY);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("True", "AllChannelsHealthy")
+    );
+}
+
+#[test]
+fn the_message_of_a_reason_is_kept_until_the_reason_changes() {
+    // Messages carry counters ("last PONG 8123 ms ago"): a status that changed on every
+    // read would itself trigger the next reconcile.
+    let (mut sim, d) = decode_starting();
+    sim.report(&d, "probe_timeout", "probe p:5600: last PONG 6100 ms ago");
+    sim.reconcile();
+    let first = sim.status.clone().unwrap();
+    sim.advance(5);
+    sim.report(&d, "probe_timeout", "probe p:5600: last PONG 11100 ms ago");
+    sim.reconcile();
+    assert_eq!(
+        sim.status.as_ref().unwrap(),
+        &first,
+        "no change for a new counter"
+    );
+    sim.report(
+        &d,
+        "peer_unreachable",
+        "handshake p:5600: connection refused",
+    );
+    sim.reconcile();
+    let g = sim.group(0).decode_not_ready.clone().unwrap();
+    assert_eq!(
+        (g.reason.as_str(), g.message.as_str()),
+        ("peer_unreachable", "handshake p:5600: connection refused")
+    );
+    assert_eq!(
+        condition_of(&sim, conditions::BOOTSTRAP_HEALTHY).reason,
+        "peer_unreachable"
+    );
+}
+
+#[test]
+fn a_reason_kubernetes_would_refuse_is_not_the_condition_reason() {
+    let (mut sim, d) = decode_starting();
+    let long = "x".repeat(2000);
+    sim.report(&d, "not a reason!", &long);
+    sim.reconcile();
+    let c = condition_of(&sim, conditions::BOOTSTRAP_HEALTHY);
+    assert_eq!(c.reason, "DecodeNotReady");
+    let g = sim.group(0).decode_not_ready.clone().unwrap();
+    assert_eq!(
+        g.reason, "not a reason!",
+        "kept verbatim in the group status"
+    );
+    assert_eq!(
+        g.message,
+        format!("{}…", "x".repeat(512)),
+        "long messages are cut"
+    );
+}
+
+#[test]
+fn condition_reasons_follow_the_api_servers_rule() {
+    for ok in ["auth_failed", "A", "DecodeNotReady", "a:b,c_d", "x_"] {
+        assert!(status::is_condition_reason(ok), "{ok}");
+    }
+    for bad in [
+        "",
+        "_x",
+        "9lives",
+        "a b",
+        "a-b",
+        "a:",
+        "a,",
+        "ü",
+        &"a".repeat(1025),
+    ] {
+        assert!(!status::is_condition_reason(bad), "{bad}");
+    }
+}
+
+#[test]
+fn only_running_not_ready_decode_pods_of_the_incarnation_are_reported() {
+    let (mut sim, d) = decode_starting();
+    let p = only_pod(&sim, 0, Role::Prefill);
+    // A prefill's detail is not the decode's reason.
+    sim.pods.get_mut(&p).unwrap().ready_detail = Some(ReadyDetail {
+        reason: "engine_stalled".into(),
+        message: "x".into(),
+    });
+    sim.reconcile();
+    assert_eq!(sim.group(0).decode_not_ready, None);
+    // A terminating decode says nothing that matters any more.
+    sim.report(&d, "draining", "not_draining: shutting down");
+    sim.pods.get_mut(&d).unwrap().terminating = true;
+    assert_eq!(sim.peek().status.group_statuses[0].decode_not_ready, None);
+}
+
+#[test]
+fn several_groups_report_the_lowest_first_and_a_co_restart_names_the_reason() {
+    let mut sim = ready_sim(2);
+    let window = sim.spec.health.co_restart_after_seconds as u64;
+    let d0 = only_pod(&sim, 0, Role::Decode);
+    let d1 = only_pod(&sim, 1, Role::Decode);
+    sim.report(
+        &d1,
+        "peer_expired",
+        "handshake p1:5600: the prefill dropped our session",
+    );
+    sim.report(&d0, "probe_timeout", "probe p0:5600: last PONG 6100 ms ago");
+    sim.reconcile();
+    let c = condition_of(&sim, conditions::BOOTSTRAP_HEALTHY);
+    assert_eq!(c.reason, "probe_timeout", "group 0's reason");
+    assert_eq!(
+        c.message,
+        format!(
+            "KV channel not healthy in groups 0,1; group 0 decode pod {d0}: probe_timeout: probe p0:5600: last PONG 6100 ms ago; group 1 decode pod {d1}: peer_expired: handshake p1:5600: the prefill dropped our session"
+        )
+    );
+    assert_eq!(sim.group(0).phase, GroupPhase::Broken);
+    // Past the window: the co-restart's event says what the decode said.
+    sim.advance(window);
+    let plan = sim.reconcile();
+    assert_eq!(
+        Sim::co_restart_reasons(&plan),
+        vec![(0, R::MemberNotReady), (1, R::MemberNotReady)]
+    );
+    let ev = sim
+        .events(&plan)
+        .into_iter()
+        .find(|e| e.group == 0 && e.reason == "MemberNotReady")
+        .unwrap();
+    assert!(
+        ev.message.ends_with(&format!(
+            "decode pod {d0} not ready for more than {window}s: probe_timeout: probe p0:5600: last PONG 6100 ms ago"
+        )),
+        "{}",
+        ev.message
+    );
+    // The reported pod belongs to the incarnation being removed.
+    assert_eq!(sim.group(0).decode_not_ready, None);
+}

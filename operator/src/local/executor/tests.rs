@@ -4,7 +4,7 @@ use std::net::Ipv4Addr;
 
 use super::*;
 use crate::crd::{CoRestartReason, GroupPhase, PDDeploymentStatus};
-use crate::planner::{self, PlanInput, PodPhase};
+use crate::planner::{self, PlanInput, PodPhase, ReadyDetail};
 use crate::testutil::spec;
 
 #[derive(Default)]
@@ -355,7 +355,10 @@ fn a_decode_serves_only_with_its_gate_open_and_its_own_readiness() {
     for s in 4..7 {
         x.on_probe(
             d,
-            ProbeOutcome::NotReady("prefill unreachable".into()),
+            ProbeOutcome::NotReady(ReadyDetail {
+                reason: "probe_timeout".into(),
+                message: "probe 127.0.0.1:2: last PONG 6100 ms ago".into(),
+            }),
             t(s),
         );
     }
