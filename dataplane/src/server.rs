@@ -103,6 +103,10 @@ impl Shutdown {
     }
 }
 
+/// When the drain begins, how long a connection that has not started a request yet gets
+/// to start one (it was accepted just before, so its request is on its way).
+const FIRST_REQUEST_AT_DRAIN: Duration = Duration::from_millis(500);
+
 /// After the drain deadline, how long requests still in flight get to send their
 /// `shutdown` error before their connections are closed.
 const DEADLINE_GRACE: Duration = Duration::from_millis(150);
@@ -253,9 +257,14 @@ async fn connection(
 ) {
     let state_metrics = state.metrics.clone();
     let header_timeout = state.header_read_timeout;
-    let svc = service_fn(move |req| {
-        let state = state.clone();
-        async move { Ok::<_, Infallible>(route(state, req).await) }
+    let started = Arc::new(AtomicBool::new(false));
+    let svc = service_fn({
+        let started = started.clone();
+        move |req| {
+            started.store(true, Ordering::Relaxed);
+            let state = state.clone();
+            async move { Ok::<_, Infallible>(route(state, req).await) }
+        }
     });
     // A client that never finishes its request head must not hold a connection (and its
     // task) forever: hyper closes it after `header_timeout` with a timeout error.
@@ -270,9 +279,23 @@ async fn connection(
         // The guard `wait_for` returns is not Send: drop it inside the future. (A
         // connection without keep-alive serves one request and closes by itself.)
         _ = async { drop(stop.wait_for(|s| *s).await) }, if keep_alive => {
-            // Finish the request in flight (a stream runs to its end), then close.
-            conn.as_mut().graceful_shutdown();
-            conn.await
+            // A connection accepted just before the drain began may not have had its
+            // request read yet (a probe, a scrape): a graceful shutdown now would close it
+            // unanswered. Let it start its request first (bounded), then finish the
+            // request in flight (a stream runs to its end) and close.
+            let first_request = async {
+                let t0 = tokio::time::Instant::now();
+                while !started.load(Ordering::Relaxed) && t0.elapsed() < FIRST_REQUEST_AT_DRAIN {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            };
+            tokio::select! {
+                r = conn.as_mut() => r,
+                _ = first_request => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            }
         }
     };
     if let Err(e) = res {

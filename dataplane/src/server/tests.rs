@@ -588,3 +588,35 @@ fn draining_fails_ready_refuses_new_work_and_ends_streams_at_the_deadline() {
         "serve returned {took:?} after the signal (drain {drain:?})"
     );
 }
+
+/// A probe whose connection was accepted just before the drain began, but whose request
+/// was not read yet, is answered (`/ready` 503 `draining`), not closed unanswered (hyper's
+/// graceful shutdown closes a connection that has not started a request).
+#[test]
+fn a_connection_accepted_before_the_drain_still_gets_its_answer() {
+    use std::io::Write;
+    let (mut s, serving) = start_custom(
+        1000,
+        SchedulerConfig::default(),
+        Duration::from_secs(5),
+        Duration::from_secs(1),
+    );
+    // Keep the server busy so it drains for a while instead of returning at once.
+    s.runner.lock().unwrap().step_delay = Duration::from_millis(50);
+    let body = chat_body(r#","max_tokens":500,"stream":true"#);
+    let mut stream = BufReader::new(send(s.addr, "POST", "/v1/chat/completions", Some(&body)));
+    assert_eq!(read_head(&mut stream).0, 200);
+    // Connected and accepted while serving; nothing sent yet.
+    let mut probe = std::net::TcpStream::connect(s.addr).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let _ = s.stop.take().unwrap().send(());
+    std::thread::sleep(Duration::from_millis(50));
+    probe
+        .write_all(b"GET /ready HTTP/1.1\r\nhost: x\r\n\r\n")
+        .unwrap();
+    let mut r = BufReader::new(probe);
+    let (status, _) = read_head(&mut r);
+    assert_eq!(status, 503, "the probe is answered while draining");
+    while read_chunk(&mut stream).is_some() {}
+    serving.join().unwrap();
+}
