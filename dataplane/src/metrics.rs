@@ -65,6 +65,8 @@ pub struct KvMetrics {
     pub progress: Counter,
     /// Decode: GOODBYE messages from prefills (a prefill began shutting down).
     pub peer_goodbye: Counter,
+    /// Decode: TCP connections to a prefill that closed (socket monitor).
+    pub peer_disconnects: Counter,
     /// Prefill: KV bytes sent to decodes and not yet acknowledged (CREDIT), all sessions.
     pub bytes_in_flight: Gauge,
 }
@@ -86,6 +88,7 @@ impl KvMetrics {
             sessions_dropped: Family::default(),
             progress: Counter::default(),
             peer_goodbye: Counter::default(),
+            peer_disconnects: Counter::default(),
             bytes_in_flight: Gauge::default(),
         };
         r.register(
@@ -157,6 +160,11 @@ impl KvMetrics {
             "kv_peer_goodbyes",
             "GOODBYE messages from KV peers that began shutting down",
             m.peer_goodbye.clone(),
+        );
+        r.register(
+            "kv_peer_disconnects",
+            "TCP connections to a prefill that closed (the rooms in flight fail peer_lost)",
+            m.peer_disconnects.clone(),
         );
         r.register(
             "kv_bytes_in_flight",

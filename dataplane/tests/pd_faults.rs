@@ -1,5 +1,6 @@
-//! PD fault handling with real processes: a frozen prefill (SIGSTOP), a prefill restarted on
-//! the same address, and a decode handshaking with a fake prefill that does not know the key.
+//! PD fault handling with real processes: a frozen prefill (SIGSTOP), a prefill killed with a
+//! room in flight and restarted on the same address, and a decode handshaking with a fake
+//! prefill that does not know the key.
 
 mod common;
 
@@ -83,9 +84,11 @@ fn frozen_then_restarted_prefill_is_detected_and_recovered_without_restarting_th
         "the frozen room finished after SIGCONT"
     );
 
-    // 2. Restart on the same address while a room is in flight: freeze it, send, kill it,
-    //    start a new prefill there. The room fails with PeerRestarted; the decode
-    //    re-handshakes by itself and serves again, same process.
+    // 2. Kill the prefill while a room is in flight (frozen, so the room cannot finish
+    //    first): the decode sees the TCP connection close and fails the room at once with
+    //    peer_lost, long before the KV timeout (30 s here). Then a new prefill starts on
+    //    the same address; the decode re-handshakes by itself and serves again, same
+    //    process.
     prefill.signal("STOP");
     let in_flight = std::thread::spawn(move || {
         common::request(
@@ -96,11 +99,17 @@ fn frozen_then_restarted_prefill_is_detected_and_recovered_without_restarting_th
         )
     });
     std::thread::sleep(Duration::from_millis(300));
+    let killed_at = Instant::now();
     drop(prefill); // SIGKILL + wait
-    let prefill2 = start_prefill(kv, &env);
     let r = in_flight.join().unwrap();
+    let failed_after = killed_at.elapsed();
     assert_eq!(r.status, 503, "{}", r.body);
-    assert_eq!(r.json()["error"]["code"], "peer_restarted", "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "peer_lost", "{}", r.body);
+    assert!(
+        failed_after < Duration::from_secs(10),
+        "the room failed {failed_after:?} after the kill: that is the KV timeout, not the closed connection"
+    );
+    let prefill2 = start_prefill(kv, &env);
     decode.wait_for(
         "ready with the new prefill",
         Duration::from_secs(10),
@@ -119,9 +128,10 @@ fn frozen_then_restarted_prefill_is_detected_and_recovered_without_restarting_th
         1.0
     );
     assert_eq!(
-        decode.metric("tandem_kv_rooms_total{state=\"failed\",reason=\"peer_restarted\"} "),
+        decode.metric("tandem_kv_rooms_total{state=\"failed\",reason=\"peer_lost\"} "),
         1.0
     );
+    assert!(decode.metric("tandem_kv_peer_disconnects_total ") >= 1.0);
     assert_eq!(
         decode.metric("tandem_kv_handshakes_total{result=\"ok\"} "),
         2.0
@@ -134,12 +144,16 @@ fn frozen_then_restarted_prefill_is_detected_and_recovered_without_restarting_th
     let log = decode.log_text();
     let lines: Vec<&str> = log
         .lines()
-        .filter(|l| l.contains("room failed") && l.contains("peer_restarted"))
+        .filter(|l| l.contains("room failed") && l.contains("peer_lost"))
         .collect();
     assert_eq!(lines.len(), 1, "{log}");
     for field in ["\"room\"", "\"peer\"", "\"peer_incarnation\"", "\"reason\""] {
         assert!(lines[0].contains(field), "{}", lines[0]);
     }
+    assert!(
+        log.contains("connection to the prefill closed"),
+        "the disconnect itself is logged: {log}"
+    );
 }
 
 /// A fake prefill (a ROUTER in this test) that answers HELLO with a WELCOME signed by the

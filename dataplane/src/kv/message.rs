@@ -122,6 +122,9 @@ codes!(
         PeerExpired = 17 => "peer_expired",
         PeerShutdown = 18 => "peer_shutdown",
         SendBudget = 19 => "send_budget",
+        // Decode-local: the TCP connection to the prefill closed with the room in flight.
+        // Never sent (the peer is gone).
+        PeerLost = 20 => "peer_lost",
     }
 );
 

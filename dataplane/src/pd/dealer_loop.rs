@@ -2,7 +2,8 @@
 //! itself (again whenever the prefill shows a new incarnation), probes with PING/PONG, opens
 //! rooms for HTTP requests, validates and reassembles KV chunks and acknowledges them
 //! (CREDIT), aborts rooms whose client left, and enforces each room's no-progress deadline
-//! (refreshed by the prefill's PROGRESS). The types the decode's HTTP side shares with the
+//! (refreshed by the prefill's PROGRESS), and fails the rooms in flight at once when the
+//! TCP connection to the prefill closes (a socket monitor; `peer_lost`). The types the decode's HTTP side shares with the
 //! loop (`Command`, `PeerShared`, `RoomFailure`) live here with it.
 
 use std::sync::Arc;
@@ -125,6 +126,8 @@ impl DealerRoom {
 pub(super) struct DealerLoop {
     _ctx: zmq::Context,
     sock: zmq::Socket,
+    /// Reports the DEALER's closed connections (`wire::disconnect_monitor`).
+    monitor: zmq::Socket,
     addr: String,
     local: LocalIdentity,
     key: GroupKey,
@@ -153,6 +156,7 @@ pub(super) struct DealerLoop {
 pub(super) struct DealerConfig {
     pub(super) ctx: zmq::Context,
     pub(super) sock: zmq::Socket,
+    pub(super) monitor: zmq::Socket,
     pub(super) addr: String,
     pub(super) local: LocalIdentity,
     pub(super) key: GroupKey,
@@ -175,6 +179,7 @@ impl DealerLoop {
         Self {
             _ctx: c.ctx,
             sock: c.sock,
+            monitor: c.monitor,
             addr: c.addr,
             local: c.local,
             key: c.key,
@@ -208,7 +213,13 @@ impl Supervised for DealerLoop {
                 return;
             }
             self.health.fault_point();
-            wire::wait_readable(&self.sock);
+            wire::wait_readable2(&self.sock, &self.monitor);
+            // Before the inbound messages: what the prefill sent before the connection
+            // closed is already read (libzmq delivers it before the event), and a
+            // reconnection's first messages belong to whoever answers now.
+            for endpoint in wire::take_disconnects(&self.monitor) {
+                self.on_disconnected(&endpoint);
+            }
             for _ in 0..wire::RECV_BATCH {
                 let Some(frames) = wire::try_recv(&self.sock) else {
                     break;
@@ -291,6 +302,31 @@ impl DealerLoop {
             if stale {
                 self.fail_room(id, FailCode::PeerRestarted, "prefill restarted", false);
             }
+        }
+    }
+
+    /// The TCP connection to the prefill closed (the process died, or the link broke): the
+    /// KV of the rooms already sent there will not arrive on this connection — a dead
+    /// prefill's never, a reconnected one's only partly (libzmq drops what it could not
+    /// deliver) — so they fail now with `peer_lost` instead of waiting out the KV timeout.
+    /// Rooms not yet sent stay queued. The session is left as it is: a new process is
+    /// recognised by its incarnation (rule 4) and handshaken with again, a link that
+    /// comes back to the same process goes on, and a peer that stays away fails its probe.
+    fn on_disconnected(&mut self, endpoint: &str) {
+        self.metrics.kv.peer_disconnects.inc();
+        let lost: Vec<u64> = self
+            .rooms
+            .ids()
+            .into_iter()
+            .filter(|&id| {
+                self.rooms
+                    .get(id)
+                    .is_some_and(|r| r.data.req.is_none() && r.state != RoomState::Aborting)
+            })
+            .collect();
+        tracing::warn!(peer = %self.addr, %endpoint, peer_incarnation = %format!("{:016x}", self.shared.peer_incarnation.load(Ordering::Relaxed)), rooms_failed = lost.len(), "connection to the prefill closed");
+        for id in lost {
+            self.fail_room(id, FailCode::PeerLost, "connection to the prefill closed", false);
         }
     }
 

@@ -92,6 +92,48 @@ pub(super) fn wait_readable(sock: &zmq::Socket) {
     let _ = sock.poll(zmq::POLLIN, POLL_MS);
 }
 
+/// Wait up to `POLL_MS` for input on either socket.
+pub(super) fn wait_readable2(a: &zmq::Socket, b: &zmq::Socket) {
+    let mut items = [a.as_poll_item(zmq::POLLIN), b.as_poll_item(zmq::POLLIN)];
+    let _ = zmq::poll(&mut items, POLL_MS);
+}
+
+/// A socket monitor reporting when `sock`'s TCP connection closes: the PAIR end of
+/// `zmq_socket_monitor`, watching `ZMQ_EVENT_DISCONNECTED` only. `name` makes the inproc
+/// endpoint unique within the context.
+pub(super) fn disconnect_monitor(
+    ctx: &zmq::Context,
+    sock: &zmq::Socket,
+    name: &str,
+) -> zmq::Result<zmq::Socket> {
+    let endpoint = format!("inproc://tandem-monitor-{name}");
+    sock.monitor(&endpoint, zmq::SocketEvent::DISCONNECTED.to_raw() as i32)?;
+    let mon = ctx.socket(zmq::PAIR)?;
+    mon.set_linger(0)?;
+    mon.connect(&endpoint)?;
+    Ok(mon)
+}
+
+/// Disconnections reported by a `disconnect_monitor` since the last call, without blocking.
+/// A monitor event is two frames: 2 bytes event id + 4 bytes value, then the endpoint.
+pub(super) fn take_disconnects(mon: &zmq::Socket) -> Vec<String> {
+    let mut seen = Vec::new();
+    while let Some(frames) = try_recv(mon) {
+        let is_disconnect = frames.first().is_some_and(|f| {
+            f.len() >= 2
+                && u16::from_le_bytes([f[0], f[1]]) == zmq::SocketEvent::DISCONNECTED.to_raw()
+        });
+        if is_disconnect {
+            let endpoint = frames
+                .get(1)
+                .map(|f| String::from_utf8_lossy(f).into_owned())
+                .unwrap_or_default();
+            seen.push(endpoint);
+        }
+    }
+    seen
+}
+
 pub(super) fn hex_id(id: &[u8]) -> String {
     hex::encode(id)
 }
