@@ -130,6 +130,7 @@ pub fn common(o: &Obj, max_tokens_keys: &[&str]) -> R<Common> {
             top_k: opt_int(o, "top_k", 0)?.unwrap_or(0) as usize,
             seed: opt_int(o, "seed", i64::MIN)?.map(|s| s as u64),
             logprobs: None,
+            ..Default::default()
         },
         stop,
         stream: opt_bool(o, "stream")?.unwrap_or(false),
