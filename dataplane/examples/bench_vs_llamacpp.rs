@@ -18,9 +18,9 @@
 //!   C=8, 1 at C=32), 128-token generations from short prompts that each begin with a unique
 //!   request id (so no server can reuse a cached prefix). Aggregate output tok/s = completion
 //!   tokens of the run / wall time from the first request sent to the last token received.
-//!   Equal lengths: `ignore_eos` is sent to both, but Tandem does not know it yet (it ignores
-//!   the field), so the prompts are story requests whose greedy SmolLM2 answers run past 128
-//!   tokens (all 16 give `finish_reason: length` on Tandem); tok/s always comes from the
+//!   Equal lengths: `ignore_eos` is sent to both (Tandem ignored it before issue 13 item 2,
+//!   so the prompts are story requests whose greedy SmolLM2 answers run past 128 tokens
+//!   anyway, which keeps figures comparable with earlier runs); tok/s always comes from the
 //!   servers' own counts and the table shows tokens per request for each, so a server that
 //!   stopped early would show it.
 //! - `prefix C=1/8`: one shared system prompt of ~400 tokens and distinct user turns, 16

@@ -199,6 +199,7 @@ mod tests {
             top_p,
             seed: Some(1000 + i as u64),
             logprobs,
+            ..Default::default()
         }
     }
 

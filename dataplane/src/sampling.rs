@@ -1,5 +1,14 @@
 //! Token sampling: greedy, temperature, top-k, top-p with a per-request seeded RNG, plus
 //! optional log-probabilities of the chosen and top-n tokens.
+//!
+//! Before any of that, a sampler may adjust its sequence's logits (a copy; the model's row
+//! is never written): `min_tokens` masks the tokens that would end generation, and the
+//! repetition, frequency and presence penalties lower the logits of tokens already seen.
+//! The adjustment reads only this sampler's own history, so a sequence's output does not
+//! depend on what else is in its batch; with the default parameters nothing is adjusted
+//! and sampling reads the model's logits as before, bit for bit.
+
+use std::collections::{HashMap, HashSet};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -16,6 +25,18 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Return this many top alternatives (and the chosen token's logprob) per token.
     pub logprobs: Option<usize>,
+    /// Hugging Face's repetition penalty over the prompt and the generated tokens: the
+    /// logit of every token seen so far is divided by it when positive, multiplied by it
+    /// when negative. 1.0 means none.
+    pub repetition_penalty: f32,
+    /// OpenAI's penalties over the generated tokens: a token generated `c` times has its
+    /// logit lowered by `frequency_penalty × c`, then by `presence_penalty` if `c > 0`.
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// While fewer than this many tokens were generated, the tokens of `min_tokens_masked`
+    /// (those that would end generation) cannot be sampled.
+    pub min_tokens: usize,
+    pub min_tokens_masked: Vec<u32>,
 }
 
 impl Default for SamplingParams {
@@ -26,12 +47,27 @@ impl Default for SamplingParams {
             top_p: 1.0,
             seed: None,
             logprobs: None,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            min_tokens: 0,
+            min_tokens_masked: Vec::new(),
         }
     }
 }
 
+impl SamplingParams {
+    /// Whether any penalty is on (they need the sequence's history).
+    pub fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+    }
+}
+
 /// The chosen token's log-probability and the `n` most likely alternatives, under the
-/// model's unmodified distribution (before temperature and cuts), as OpenAI reports them.
+/// model's unmodified distribution (before penalties, `min_tokens` masking, temperature
+/// and cuts), as OpenAI reports them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {
     pub token: u32,
@@ -42,6 +78,12 @@ pub struct TokenLogprob {
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
+    /// Tokens generated so far (every one passed to [`Sampler::accept`]).
+    generated: usize,
+    /// The prompt's and generated tokens, kept only with a repetition penalty.
+    seen: HashSet<u32>,
+    /// How often each token was generated, kept only with a frequency or presence penalty.
+    counts: HashMap<u32, u32>,
 }
 
 impl Sampler {
@@ -50,7 +92,75 @@ impl Sampler {
         Self {
             params,
             rng: StdRng::seed_from_u64(seed),
+            generated: 0,
+            seen: HashSet::new(),
+            counts: HashMap::new(),
         }
+    }
+
+    /// A sampler for a sequence that starts with `prompt` (the repetition penalty counts
+    /// the prompt's tokens as seen).
+    pub fn with_prompt(params: SamplingParams, prompt: &[u32]) -> Self {
+        let mut s = Self::new(params);
+        if s.params.repetition_penalty != 1.0 {
+            s.seen.extend(prompt);
+        }
+        s
+    }
+
+    /// Record a token of the sequence, whoever sampled it (this sampler, a device, or the
+    /// prefill of another process): the penalties and `min_tokens` count it from now on.
+    pub fn accept(&mut self, token: u32) {
+        self.generated += 1;
+        if self.params.repetition_penalty != 1.0 {
+            self.seen.insert(token);
+        }
+        if self.params.frequency_penalty != 0.0 || self.params.presence_penalty != 0.0 {
+            *self.counts.entry(token).or_insert(0) += 1;
+        }
+    }
+
+    /// Whether the next sample adjusts the logits (a penalty is on, or `min_tokens`
+    /// still masks tokens). A device that samples by itself leaves such rows to
+    /// [`Sampler::sample`].
+    pub fn adjusts_logits(&self) -> bool {
+        self.params.has_penalties() || self.masks_now()
+    }
+
+    fn masks_now(&self) -> bool {
+        self.generated < self.params.min_tokens && !self.params.min_tokens_masked.is_empty()
+    }
+
+    /// A copy of `logits` with `min_tokens` masking and the penalties applied. Each token
+    /// is adjusted at most once per rule, so the order of the sets does not matter.
+    fn adjusted(&self, logits: &[f32]) -> Vec<f32> {
+        let mut l = logits.to_vec();
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            for &t in &self.seen {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x = if *x < 0.0 {
+                        *x * p.repetition_penalty
+                    } else {
+                        *x / p.repetition_penalty
+                    };
+                }
+            }
+        }
+        for (&t, &c) in &self.counts {
+            if let Some(x) = l.get_mut(t as usize) {
+                *x -= p.frequency_penalty * c as f32;
+                *x -= p.presence_penalty;
+            }
+        }
+        if self.masks_now() {
+            for &t in &p.min_tokens_masked {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+        l
     }
 
     /// Consume the random draw of one sample without sampling. A decode continuing from a
@@ -66,11 +176,16 @@ impl Sampler {
         &self.params
     }
 
+    /// Pick the next token from `logits` (adjusted first when [`Sampler::adjusts_logits`];
+    /// log-probabilities are always those of the model's own `logits`). The token is not
+    /// recorded: the caller passes it to [`Sampler::accept`].
     pub fn sample(&mut self, logits: &[f32]) -> (u32, Option<TokenLogprob>) {
+        let adjusted = self.adjusts_logits().then(|| self.adjusted(logits));
+        let l = adjusted.as_deref().unwrap_or(logits);
         let token = if self.params.temperature <= 0.0 {
-            argmax(logits)
+            argmax(l)
         } else {
-            self.sample_random(logits)
+            self.sample_random(l)
         };
         (token, self.logprobs_of(logits, token))
     }
@@ -87,10 +202,12 @@ impl Sampler {
     /// What [`Sampler::sample`] returns for `logits` when its draw is `u` (from
     /// [`Sampler::draw`]); consumes no randomness.
     pub fn sample_drawn(&self, logits: &[f32], u: Option<f32>) -> (u32, Option<TokenLogprob>) {
+        let adjusted = self.adjusts_logits().then(|| self.adjusted(logits));
+        let l = adjusted.as_deref().unwrap_or(logits);
         let token = match u {
-            Some(u) if self.params.temperature > 0.0 => nucleus(&self.params, logits)
-                .map_or_else(|| argmax(logits), |(cand, probs)| pick(&cand, &probs, u)),
-            _ => argmax(logits),
+            Some(u) if self.params.temperature > 0.0 => nucleus(&self.params, l)
+                .map_or_else(|| argmax(l), |(cand, probs)| pick(&cand, &probs, u)),
+            _ => argmax(l),
         };
         (token, self.logprobs_of(logits, token))
     }
@@ -274,7 +391,7 @@ mod tests {
             top_k,
             top_p,
             seed: Some(seed),
-            logprobs: None,
+            ..Default::default()
         }
     }
 
@@ -383,5 +500,132 @@ mod tests {
         // Greedy ignores the draw.
         let g = Sampler::new(params(0.0, 0, 1.0, 0));
         assert_eq!(g.sample_drawn(&l, Some(0.9)).0, 1);
+    }
+
+    fn greedy() -> SamplingParams {
+        params(0.0, 0, 1.0, 0)
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens() {
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..greedy()
+        };
+        // Prompt has tokens 0 and 4 (and 4 twice: seen is a set, penalized once).
+        let mut s = Sampler::with_prompt(p, &[0, 4, 4]);
+        let l = [3.0, 2.5, -1.0, 1.0, -2.0, 0.0];
+        assert_eq!(s.adjusted(&l), vec![1.5, 2.5, -1.0, 1.0, -4.0, 0.0]);
+        // 3.0 / 2 = 1.5 < 2.5: greedy now picks token 1.
+        assert_eq!(s.sample(&l).0, 1);
+        // A generated token counts as seen too; zero stays zero.
+        s.accept(1);
+        s.accept(5);
+        assert_eq!(s.adjusted(&l), vec![1.5, 1.25, -1.0, 1.0, -4.0, 0.0]);
+        assert_eq!(s.sample(&l).0, 0);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_count_generated_tokens_only() {
+        let p = SamplingParams {
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..greedy()
+        };
+        // The prompt does not count for these penalties.
+        let mut s = Sampler::with_prompt(p, &[0, 1, 2]);
+        let l = [3.0, 2.0, 1.0, -1.0];
+        assert_eq!(s.adjusted(&l), l.to_vec());
+        s.accept(0);
+        s.accept(0);
+        s.accept(0);
+        s.accept(3);
+        // token 0: 3 - 0.5·3 - 0.25 = 1.25; token 3: -1 - 0.5 - 0.25 = -1.75.
+        assert_eq!(s.adjusted(&l), vec![1.25, 2.0, 1.0, -1.75]);
+        assert_eq!(s.sample(&l).0, 1);
+        // Negative penalties encourage repetition (OpenAI allows −2..2).
+        let mut s = Sampler::new(SamplingParams {
+            frequency_penalty: -1.0,
+            presence_penalty: -0.5,
+            ..greedy()
+        });
+        s.accept(2);
+        assert_eq!(s.adjusted(&l), vec![3.0, 2.0, 2.5, -1.0]);
+    }
+
+    #[test]
+    fn min_tokens_masks_the_ending_tokens_until_enough_were_generated() {
+        let p = SamplingParams {
+            min_tokens: 2,
+            min_tokens_masked: vec![0, 9999],
+            logprobs: Some(1),
+            ..greedy()
+        };
+        let mut s = Sampler::new(p);
+        let l = [5.0, 1.0, 2.0];
+        for _ in 0..2 {
+            assert!(s.adjusts_logits());
+            let (t, lp) = s.sample(&l);
+            // Masked (an id past the vocabulary is skipped): the next best is taken ...
+            assert_eq!(t, 2);
+            // ... and the logprobs are still those of the model's own distribution.
+            let lp = lp.unwrap();
+            assert_eq!(lp.top[0].0, 0);
+            assert!(lp.logprob < lp.top[0].1);
+            s.accept(t);
+        }
+        assert!(!s.adjusts_logits());
+        assert_eq!(s.sample(&l).0, 0);
+        // Seeded sampling never draws a masked token either, through both entry points.
+        let p = SamplingParams {
+            min_tokens: 1000,
+            min_tokens_masked: vec![0],
+            ..params(1.0, 0, 1.0, 5)
+        };
+        let (mut a, mut b) = (Sampler::new(p.clone()), Sampler::new(p));
+        for _ in 0..200 {
+            let t = a.sample(&l).0;
+            let u = b.draw();
+            assert_eq!(b.sample_drawn(&l, u).0, t);
+            assert_ne!(t, 0);
+            a.accept(t);
+            b.accept(t);
+        }
+    }
+
+    #[test]
+    fn default_parameters_do_not_touch_the_logits() {
+        let mut s = Sampler::with_prompt(params(0.8, 3, 0.9, 21), &[0, 1, 2]);
+        for t in [1, 1, 3] {
+            s.accept(t);
+        }
+        assert!(!s.adjusts_logits());
+        // Same tokens and draws as a sampler that never saw a history.
+        let mut fresh = Sampler::new(params(0.8, 3, 0.9, 21));
+        for _ in 0..50 {
+            assert_eq!(s.sample(&logits()), fresh.sample(&logits()));
+        }
+    }
+
+    #[test]
+    fn penalties_with_sampling_keep_draw_and_sample_in_step() {
+        let p = SamplingParams {
+            repetition_penalty: 1.3,
+            frequency_penalty: 0.4,
+            presence_penalty: 0.2,
+            logprobs: Some(2),
+            ..params(0.9, 4, 0.95, 77)
+        };
+        let (mut a, mut b) = (
+            Sampler::with_prompt(p.clone(), &[1, 3]),
+            Sampler::with_prompt(p, &[1, 3]),
+        );
+        for _ in 0..100 {
+            let x = a.sample(&logits());
+            let u = b.draw();
+            assert_eq!(b.sample_drawn(&logits(), u), x);
+            a.accept(x.0);
+            b.accept(x.0);
+        }
     }
 }

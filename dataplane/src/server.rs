@@ -2,6 +2,7 @@
 
 mod api_error;
 mod completions;
+mod fields;
 mod output;
 mod params;
 #[cfg(test)]

@@ -30,7 +30,12 @@ impl StopMatcher {
             self.held.clear();
             return (out, true);
         }
-        // Hold the longest suffix that is a proper prefix of some stop string.
+        (self.release_all_but_a_prefix(), false)
+    }
+
+    /// Release the held text but its longest suffix that is a proper prefix of some stop
+    /// string.
+    fn release_all_but_a_prefix(&mut self) -> String {
         let keep = self
             .stops
             .iter()
@@ -40,7 +45,15 @@ impl StopMatcher {
         let cut = self.held.len() - keep;
         let out = self.held[..cut].to_owned();
         self.held.drain(..cut);
-        (out, false)
+        out
+    }
+
+    /// Feed newly decoded text that may not end generation (before `min_tokens`): a stop
+    /// string completed here is passed through as text; only a proper prefix of one at the
+    /// end is held, since a later token may complete it. Returns the text safe to emit.
+    pub fn push_unchecked(&mut self, text: &str) -> String {
+        self.held.push_str(text);
+        self.release_all_but_a_prefix()
     }
 
     /// End of generation without a stop: release what was held.
@@ -99,5 +112,17 @@ mod tests {
         let (outs, stopped, _) = run(&["é!", "b"], &["aé", "!b"]);
         assert!(stopped);
         assert_eq!(outs.concat(), "a");
+    }
+
+    #[test]
+    fn unchecked_text_passes_stops_through_but_holds_a_prefix_a_later_token_may_complete() {
+        let mut m = StopMatcher::new(vec!["END".into()]);
+        // A stop string completed before min_tokens is text like any other ...
+        assert_eq!(m.push_unchecked("a END b E"), "a END b ");
+        // ... but a prefix of one at the end waits: completed by a checked token, it stops.
+        assert_eq!(m.push("ND x"), (String::new(), true));
+        let mut m = StopMatcher::new(vec!["END".into()]);
+        assert_eq!(m.push_unchecked("EN"), "");
+        assert_eq!(m.push("x"), ("ENx".to_owned(), false));
     }
 }

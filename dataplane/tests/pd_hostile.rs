@@ -195,10 +195,7 @@ fn hostile_input_is_counted_by_kind_and_serving_continues() {
         Message::Prefill(kv::PrefillRequest {
             tokens: (0..n).map(|i| 100 + i % 1000).collect(),
             temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: None,
-            logprobs: None,
+            ..Default::default()
         })
     };
     c.send(&env(&me, 900, prefill_req(200)));

@@ -97,12 +97,13 @@ fn chat_completion_json_and_sse_and_bad_requests() {
     assert_eq!(s.get("/health").status, 200);
 }
 
-/// Greedy completion tokens (as token strings) of one prompt.
-fn greedy_tokens(s: &Server, prompt: &str) -> Vec<String> {
-    let r = s.post(
-        "/v1/completions",
-        &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0}),
-    );
+/// Greedy completion tokens (as token strings) of one prompt, with the fields of `extra`.
+fn greedy_tokens(s: &Server, prompt: &str, extra: &Value) -> Vec<String> {
+    let mut body = json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    let r = s.post("/v1/completions", &body);
     assert_eq!(r.status, 200, "{}", r.body);
     let v = r.json();
     let toks: Vec<String> = v["choices"][0]["logprobs"]["tokens"]
@@ -117,14 +118,30 @@ fn greedy_tokens(s: &Server, prompt: &str) -> Vec<String> {
 
 #[test]
 fn concurrent_greedy_requests_equal_sequential_runs() {
-    concurrent_equals_sequential(&[]);
+    concurrent_equals_sequential(&[], &json!({}));
+}
+
+/// With the penalties and min_tokens on: each sequence's sampler adjusts its own logits
+/// from its own history, so its output still does not depend on the batch.
+#[test]
+fn concurrent_greedy_requests_with_penalties_equal_sequential_runs() {
+    let penalties = json!({"repetition_penalty": 1.3, "frequency_penalty": 0.7,
+                           "presence_penalty": 0.4, "min_tokens": 4});
+    let (s, penalized) = concurrent_equals_sequential(&[], &penalties);
+    // They took effect: some prompts answer differently without them.
+    let changed = PROMPTS
+        .iter()
+        .zip(&penalized)
+        .filter(|(p, pen)| &greedy_tokens(&s, p, &json!({})) != *pen)
+        .count();
+    assert!(changed >= 2, "penalties changed {changed} of 8 answers");
 }
 
 /// The same with the Q8_0 KV cache (`--kv-dtype q8_0`): its attention path must not depend
 /// on the batch either.
 #[test]
 fn concurrent_greedy_requests_equal_sequential_runs_with_q8_0_kv_cache() {
-    let s = concurrent_equals_sequential(&["--kv-dtype", "q8_0"]);
+    let (s, _) = concurrent_equals_sequential(&["--kv-dtype", "q8_0"], &json!({}));
     assert!(
         !s.log_lines(&["model loaded", "Q8_0"]).is_empty(),
         "the startup log names the KV dtype:\n{}",
@@ -132,30 +149,33 @@ fn concurrent_greedy_requests_equal_sequential_runs_with_q8_0_kv_cache() {
     );
 }
 
-fn concurrent_equals_sequential(extra: &[&str]) -> Server {
+const PROMPTS: [&str; 8] = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "The three primary colors are",
+    "1, 2, 3, 4,",
+    "Water boils at a temperature of",
+    "My favourite fruit is",
+    "The quick brown fox",
+];
+
+/// The server and the sequential answers of `PROMPTS` with the request fields `fields`.
+fn concurrent_equals_sequential(extra: &[&str], fields: &Value) -> (Server, Vec<Vec<String>>) {
     // Chunk size above every prompt here: prompts are prefilled whole, so this compares
     // batching alone (chunked interleaving is covered by the scheduler's unit tests).
     let mut args = vec!["--max-batch", "8", "--chunk-size", "256"];
     args.extend_from_slice(extra);
     let s = Server::start(&args);
-    let prompts: Vec<String> = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "Once upon a time, in a land far away,",
-        "The three primary colors are",
-        "1, 2, 3, 4,",
-        "Water boils at a temperature of",
-        "My favourite fruit is",
-        "The quick brown fox",
-    ]
-    .iter()
-    .map(|p| p.to_string())
-    .collect();
-    let sequential: Vec<Vec<String>> = prompts.iter().map(|p| greedy_tokens(&s, p)).collect();
+    let prompts = PROMPTS;
+    let sequential: Vec<Vec<String>> = prompts
+        .iter()
+        .map(|p| greedy_tokens(&s, p, fields))
+        .collect();
     let concurrent: Vec<Vec<String>> = std::thread::scope(|sc| {
         let hs: Vec<_> = prompts
             .iter()
-            .map(|p| sc.spawn(|| greedy_tokens(&s, p)))
+            .map(|p| sc.spawn(|| greedy_tokens(&s, p, fields)))
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
@@ -167,7 +187,7 @@ fn concurrent_equals_sequential(extra: &[&str]) -> Server {
         distinct.len() > 4,
         "different prompts should give different outputs"
     );
-    s
+    (s, sequential)
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! module header of `kv`.
 
 use super::codec::{DecodeError, Reader, Writer};
-use super::{HEADER_LEN, MAGIC, MAX_PAYLOAD, MAX_TEXT, MAX_TOKENS, PROTOCOL_VERSION};
+use super::{HEADER_LEN, MAGIC, MAX_MASKED, MAX_PAYLOAD, MAX_TEXT, MAX_TOKENS, PROTOCOL_VERSION};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -128,6 +128,10 @@ codes!(
     }
 );
 
+/// A prompt and how to sample its first token (the sampling parameters of
+/// `crate::sampling::SamplingParams`, so that the prefill samples exactly as the decode
+/// would: the penalties see the prompt, and `min_tokens` masks the tokens that would end
+/// generation).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PrefillRequest {
     pub tokens: Vec<u32>,
@@ -136,6 +140,31 @@ pub struct PrefillRequest {
     pub top_p: f32,
     pub seed: Option<u64>,
     pub logprobs: Option<u32>,
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    pub min_tokens: u32,
+    /// At most [`MAX_MASKED`] ids.
+    pub min_tokens_masked: Vec<u32>,
+}
+
+/// Neutral sampling: temperature 1, no cuts, no penalties, no masking, no prompt.
+impl Default for PrefillRequest {
+    fn default() -> Self {
+        Self {
+            tokens: Vec::new(),
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            logprobs: None,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            min_tokens: 0,
+            min_tokens_masked: Vec::new(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -424,6 +453,14 @@ fn encode_payload(m: &Message) -> Vec<u8> {
             w.u64(p.seed.unwrap_or(0));
             w.u8(p.logprobs.is_some() as u8);
             w.u32(p.logprobs.unwrap_or(0));
+            w.f32(p.repetition_penalty);
+            w.f32(p.frequency_penalty);
+            w.f32(p.presence_penalty);
+            w.u32(p.min_tokens);
+            w.u32(p.min_tokens_masked.len() as u32);
+            for &t in &p.min_tokens_masked {
+                w.u32(t);
+            }
         }
         Message::KvChunk(c) => {
             chunk_prefix(&mut w, &c.into());
@@ -659,6 +696,25 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
             let seed = r.u64()?;
             let has_lp = r.flag()?;
             let lp = r.u32()?;
+            let repetition_penalty = r.f32()?;
+            let frequency_penalty = r.f32()?;
+            let presence_penalty = r.f32()?;
+            let sane = repetition_penalty.is_finite()
+                && repetition_penalty > 0.0
+                && frequency_penalty.is_finite()
+                && presence_penalty.is_finite();
+            if !sane {
+                return Err(DecodeError::BadValue(format!(
+                    "penalties {repetition_penalty}, {frequency_penalty}, {presence_penalty}"
+                )));
+            }
+            let min_tokens = r.u32()?;
+            let m = r.u32()? as usize;
+            if m > MAX_MASKED {
+                return Err(DecodeError::BadLength(format!("{m} masked token ids")));
+            }
+            r.check_count(m, 4)?;
+            let min_tokens_masked = (0..m).map(|_| r.u32()).collect::<Result<Vec<_>, _>>()?;
             Message::Prefill(PrefillRequest {
                 tokens,
                 temperature,
@@ -666,6 +722,11 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
                 top_p,
                 seed: has_seed.then_some(seed),
                 logprobs: has_lp.then_some(lp),
+                repetition_penalty,
+                frequency_penalty,
+                presence_penalty,
+                min_tokens,
+                min_tokens_masked,
             })
         }
         MsgType::KvChunk => {

@@ -33,7 +33,7 @@
 //! | 3    | AUTH      | 0    | mac [u8; 32]                                              |
 //! | 4    | ACCEPTED  | 0    | (empty)                                                   |
 //! | 5    | REJECT    | 0    | u8 reason code, text str16                                |
-//! | 6    | PREFILL   | ≠0   | u32 n, n × u32 token ids, f32 temperature, u32 top_k, f32 top_p, u8 has_seed, u64 seed, u8 has_logprobs, u32 logprobs |
+//! | 6    | PREFILL   | ≠0   | u32 n, n × u32 token ids, f32 temperature, u32 top_k, f32 top_p, u8 has_seed, u64 seed, u8 has_logprobs, u32 logprobs, f32 repetition penalty, f32 frequency penalty, f32 presence penalty, u32 min_tokens, u32 m, m × u32 token ids masked until min_tokens |
 //! | 7    | KV_CHUNK  | ≠0   | u32 index, u32 count, u16 first layer, u16 end layer, u64 offset, u64 total, u32 CRC-32C of the data, u32 n, n bytes |
 //! | 8    | DONE      | ≠0   | u32 first token, u32 prompt tokens, u8 has_logprob, [f32 logprob, u8 k, k × (u32 token, f32 logprob)] |
 //! | 9    | FAILED    | ≠0   | u8 reason code, text str16                                |
@@ -48,7 +48,7 @@
 //! Reason codes: REJECT uses [`RejectReason`], FAILED and GOODBYE use [`FailCode`]; both are
 //! listed with their numbers and labels in `message.rs`.
 //!
-//! # Liveness, progress and flow control (version 3)
+//! # Liveness, progress and flow control (since version 3)
 //!
 //! - **PROGRESS** (prefill → decode) is sent for every room the prefill holds, at most once
 //!   per `min(probe period, KV timeout / 4)`, while its engine loop is going round: the
@@ -103,13 +103,17 @@ pub use message::{
 /// Wire protocol version; bumped on any incompatible change of a payload (2: the chunk
 /// checksum is CRC-32C instead of the IEEE CRC-32; 3: PROGRESS, CREDIT and GOODBYE, REJECT
 /// reasons `shutting_down` and `peer_expired`, FAILED codes `peer_shutdown` and
-/// `send_budget`). A peer of another version is refused in the handshake with the reason.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// `send_budget`; 4: PREFILL carries the penalties and the `min_tokens` masking). A peer
+/// of another version is refused in the handshake with the reason.
+pub const PROTOCOL_VERSION: u16 = 4;
 pub const MAGIC: &[u8; 4] = b"TKVP";
 pub const HEADER_LEN: usize = 36;
 /// Largest payload accepted (one KV chunk is at most [`chunks::MAX_CHUNK`]).
 pub const MAX_PAYLOAD: usize = 64 << 20;
 /// Most prompt tokens in one PREFILL.
 pub const MAX_TOKENS: usize = 1 << 20;
+/// Most token ids masked until `min_tokens` in one PREFILL (the HTTP API takes at most
+/// 1024 `stop_token_ids`, and a model has a few end-of-generation tokens on top).
+pub const MAX_MASKED: usize = 4096;
 /// Longest reason text or fingerprint.
 pub const MAX_TEXT: usize = 1024;

@@ -60,18 +60,27 @@ fn message() -> impl Strategy<Value = Message> {
             any::<u32>(),
             finite(),
             any::<Option<u64>>(),
-            any::<Option<u32>>()
+            any::<Option<u32>>(),
+            (0.01f32..10.0, finite(), finite(), any::<u32>()),
+            prop::collection::vec(any::<u32>(), 0..8),
         )
-            .prop_map(|(tokens, temperature, top_k, top_p, seed, logprobs)| {
-                Message::Prefill(PrefillRequest {
-                    tokens,
-                    temperature,
-                    top_k,
-                    top_p,
-                    seed,
-                    logprobs,
-                })
-            }),
+            .prop_map(
+                |(tokens, temperature, top_k, top_p, seed, logprobs, pen, masked)| {
+                    Message::Prefill(PrefillRequest {
+                        tokens,
+                        temperature,
+                        top_k,
+                        top_p,
+                        seed,
+                        logprobs,
+                        repetition_penalty: pen.0,
+                        frequency_penalty: pen.1,
+                        presence_penalty: pen.2,
+                        min_tokens: pen.3,
+                        min_tokens_masked: masked,
+                    })
+                }
+            ),
         (
             prop::collection::vec(any::<u8>(), 0..256),
             0u32..4,
@@ -237,10 +246,7 @@ fn hundred_thousand_hostile_inputs_never_panic() {
                     msg: Message::Prefill(PrefillRequest {
                         tokens: vec![1, 2, 3],
                         temperature: 0.0,
-                        top_k: 0,
-                        top_p: 1.0,
-                        seed: None,
-                        logprobs: None,
+                        ..Default::default()
                     }),
                 };
                 let mut f = encode(&env).to_vec();

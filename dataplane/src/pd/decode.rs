@@ -272,6 +272,11 @@ impl DecodeHandle {
             top_p: sampling.top_p,
             seed: sampling.seed,
             logprobs: sampling.logprobs.map(|n| n as u32),
+            repetition_penalty: sampling.repetition_penalty,
+            frequency_penalty: sampling.frequency_penalty,
+            presence_penalty: sampling.presence_penalty,
+            min_tokens: sampling.min_tokens.min(u32::MAX as usize) as u32,
+            min_tokens_masked: sampling.min_tokens_masked.clone(),
         };
         let cmd = Command::Open {
             room: random_id(),

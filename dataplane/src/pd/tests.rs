@@ -298,10 +298,7 @@ impl StubDecode {
         let req = PrefillRequest {
             tokens: (0..tokens as u32).map(|t| 2 + t % 30).collect(),
             temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: None,
-            logprobs: None,
+            ..Default::default()
         };
         self.send(room, Message::Prefill(req));
     }

@@ -279,7 +279,7 @@ impl<R: ModelRunner> Engine<R> {
                 .inc_by(sub.req.prompt.len() as u64);
             self.running.push(Active {
                 seq,
-                sampler: Sampler::new(sub.req.sampling.clone()),
+                sampler: Sampler::with_prompt(sub.req.sampling.clone(), &sub.req.prompt),
                 stop: StopMatcher::new(sub.req.stop.clone()),
                 sub,
                 prefilled: 0,
@@ -328,7 +328,7 @@ impl<R: ModelRunner> Engine<R> {
                 );
                 continue;
             }
-            let mut sampler = Sampler::new(sub.req.sampling.clone());
+            let mut sampler = Sampler::with_prompt(sub.req.sampling.clone(), &sub.req.prompt);
             sampler.skip_draw();
             self.running.push(Active {
                 seq,
@@ -507,13 +507,22 @@ impl<R: ModelRunner> Engine<R> {
         }
         a.last_token_at = Some(now);
         a.generated += 1;
+        a.sampler.accept(token);
         self.metrics.generated_tokens.inc();
-        if a.sub.req.stop_token_ids.contains(&token) {
+        // As in vLLM, neither stop tokens nor stop strings end generation before the
+        // min_tokens-th token; the sampler masks the stop tokens through that token, so
+        // the check matters only to a runner that samples without the sampler.
+        let may_stop = a.generated >= a.sub.req.sampling.min_tokens;
+        if may_stop && a.sub.req.stop_token_ids.contains(&token) {
             let rest = a.decoder.finish() + &a.stop.finish();
             return Outcome::Finish(FinishReason::Stop, rest);
         }
         let piece = a.decoder.push(self.text.token_bytes(token));
-        let (text, stopped) = a.stop.push(&piece);
+        let (text, stopped) = if may_stop {
+            a.stop.push(&piece)
+        } else {
+            (a.stop.push_unchecked(&piece), false)
+        };
         let ev = GenEvent::Token {
             id: token,
             text,
@@ -528,7 +537,11 @@ impl<R: ModelRunner> Engine<R> {
         // The sampled token still needs a slot in the cache when it is fed back.
         if a.generated >= a.sub.req.max_tokens || seq_len >= ctx {
             let piece = a.decoder.finish();
-            let (mut text, stopped) = a.stop.push(&piece);
+            let (mut text, stopped) = if may_stop {
+                a.stop.push(&piece)
+            } else {
+                (a.stop.push_unchecked(&piece), false)
+            };
             if !stopped {
                 text.push_str(&a.stop.finish());
             }

@@ -482,6 +482,7 @@ fn the_engine_samples_through_step_sample() {
             top_p: [1.0, 1.0, 0.8, 0.6][i % 4],
             seed: Some(40 + i as u64),
             logprobs: (i == 3).then_some(2),
+            ..Default::default()
         };
     }
     let run = |h: &EngineHandle| -> Vec<Collected> {

@@ -10,6 +10,7 @@ use serde_json::Value;
 use tokio::sync::mpsc::Receiver;
 
 use super::api_error::ApiError;
+use super::fields::{self, Endpoint};
 use super::output::{Kind, Shape, logprobs_json};
 use super::params::{self, Common, Prompt};
 use super::{AppState, Body, json_response};
@@ -39,9 +40,14 @@ async fn next_event(state: &AppState, rx: &mut Receiver<GenEvent>) -> R<Option<G
 
 pub async fn chat(state: Arc<AppState>, body: Bytes) -> R<http::Response<Body>> {
     let o = params::parse_object(&body)?;
+    fields::check(&o, Endpoint::Chat)?;
     params::check_model(&o, &state.model_name)?;
     let messages = params::messages(&o)?;
-    let mut common = params::common(&o, &["max_tokens", "max_completion_tokens"])?;
+    let mut common = params::common(
+        &o,
+        &["max_tokens", "max_completion_tokens"],
+        state.tokenizer.vocab_size(),
+    )?;
     if params::opt_bool(&o, "logprobs")?.unwrap_or(false) {
         let n = params::opt_int(&o, "top_logprobs", 0)?.unwrap_or(0);
         if n > 20 {
@@ -71,9 +77,10 @@ pub async fn chat(state: Arc<AppState>, body: Bytes) -> R<http::Response<Body>> 
 
 pub async fn completions(state: Arc<AppState>, body: Bytes) -> R<http::Response<Body>> {
     let o = params::parse_object(&body)?;
+    fields::check(&o, Endpoint::Completions)?;
     params::check_model(&o, &state.model_name)?;
     let prompt = params::prompt(&o, state.tokenizer.vocab_size())?;
-    let mut common = params::common(&o, &["max_tokens"])?;
+    let mut common = params::common(&o, &["max_tokens"], state.tokenizer.vocab_size())?;
     if let Some(n) = params::opt_int(&o, "logprobs", 0)? {
         if n > 20 {
             return Err(ApiError::invalid(
@@ -82,9 +89,6 @@ pub async fn completions(state: Arc<AppState>, body: Bytes) -> R<http::Response<
             ));
         }
         common.sampling.logprobs = Some(n as usize);
-    }
-    if params::opt_bool(&o, "echo")?.unwrap_or(false) {
-        return Err(ApiError::invalid(Some("echo"), "'echo' is not supported"));
     }
     let ids = match prompt {
         Prompt::Text(t) => state.tokenizer.encode(&t, true, true),
@@ -97,7 +101,7 @@ async fn generate(
     state: Arc<AppState>,
     kind: Kind,
     prompt: Vec<u32>,
-    c: Common,
+    mut c: Common,
 ) -> R<http::Response<Body>> {
     let ctx = state.context_length;
     if prompt.is_empty() {
@@ -126,8 +130,40 @@ async fn generate(
             .with_code("context_length_exceeded"));
         }
         Some(n) => n,
-        None => state.default_max_tokens.min(room),
+        // Without max_tokens, a min_tokens above the default raises it (up to the room).
+        None => state.default_max_tokens.max(c.min_tokens).min(room),
     };
+    if c.min_tokens > max_tokens {
+        let why = match c.max_tokens {
+            Some(_) => format!(
+                "'min_tokens' ({}) is more than 'max_tokens' ({max_tokens})",
+                c.min_tokens
+            ),
+            None => format!(
+                "'min_tokens' ({}) does not fit: prompt ({} tokens) + min_tokens exceeds the context length {ctx}",
+                c.min_tokens,
+                prompt.len()
+            ),
+        };
+        return Err(ApiError::invalid(Some("min_tokens"), why));
+    }
+    // What ends generation: the model's end-of-generation tokens (unless ignore_eos) and
+    // the request's stop_token_ids. min_tokens masks them until it is reached; the
+    // sampling parameters carry the list so that a prefill masks the first token too.
+    let mut stop_token_ids = if c.ignore_eos {
+        Vec::new()
+    } else {
+        state.tokenizer.end_of_generation().to_vec()
+    };
+    for id in std::mem::take(&mut c.stop_token_ids) {
+        if !stop_token_ids.contains(&id) {
+            stop_token_ids.push(id);
+        }
+    }
+    if c.min_tokens > 0 {
+        c.sampling.min_tokens = c.min_tokens;
+        c.sampling.min_tokens_masked = stop_token_ids.clone();
+    }
     // Decode role: the engine reserves the sequence's KV blocks first (queueing for
     // them, or refusing a request that can never fit); only then does a room open on a
     // prefill, whose KV and first token go straight into the reserved sequence. Dropping
@@ -149,7 +185,7 @@ async fn generate(
         max_tokens,
         sampling: c.sampling,
         stop: c.stop,
-        stop_token_ids: state.tokenizer.end_of_generation().to_vec(),
+        stop_token_ids,
         transfer,
     };
     let mut rx = state.engine.submit(req).map_err(ApiError::from_submit)?;

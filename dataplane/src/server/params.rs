@@ -72,14 +72,24 @@ pub fn opt_str<'a>(o: &'a Obj, k: &str) -> R<Option<&'a str>> {
         .transpose()
 }
 
+/// Most `stop_token_ids` in one request.
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;
+
 /// Parameters common to both completion endpoints.
 #[derive(Debug, Clone)]
 pub struct Common {
     pub max_tokens: Option<usize>,
+    /// The penalties are set here; `min_tokens` and its masked ids once the request's stop
+    /// tokens are known (`completions::generate`).
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// The model's end-of-generation tokens do not end generation.
+    pub ignore_eos: bool,
+    pub min_tokens: usize,
+    /// More tokens that end generation (deduplicated, each below the vocabulary size).
+    pub stop_token_ids: Vec<u32>,
 }
 
 pub fn check_model(o: &Obj, served: &str) -> R<()> {
@@ -94,7 +104,56 @@ pub fn check_model(o: &Obj, served: &str) -> R<()> {
     }
 }
 
-pub fn common(o: &Obj, max_tokens_keys: &[&str]) -> R<Common> {
+/// A number above 0 (and finite).
+fn opt_positive_f32(o: &Obj, k: &str) -> R<Option<f32>> {
+    let Some(v) = present(o, k) else {
+        return Ok(None);
+    };
+    let x = v.as_f64().ok_or_else(|| wrong_type(k, "a number", v))? as f32;
+    if !(x.is_finite() && x > 0.0) {
+        return Err(ApiError::invalid(
+            Some(k),
+            format!("'{k}' must be greater than 0, got {v}"),
+        ));
+    }
+    Ok(Some(x))
+}
+
+fn stop_token_ids(o: &Obj, vocab_size: usize) -> R<Vec<u32>> {
+    const K: &str = "stop_token_ids";
+    let arr = match present(o, K) {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(v) => return Err(wrong_type(K, "an array of token ids", v)),
+    };
+    if arr.len() > MAX_STOP_TOKEN_IDS {
+        return Err(ApiError::invalid(
+            Some(K),
+            format!(
+                "'{K}' has {} ids; at most {MAX_STOP_TOKEN_IDS} are accepted",
+                arr.len()
+            ),
+        ));
+    }
+    let mut ids = Vec::with_capacity(arr.len());
+    for v in arr {
+        let id = v
+            .as_u64()
+            .ok_or_else(|| wrong_type(K, "an array of non-negative integer token ids", v))?;
+        if id >= vocab_size as u64 {
+            return Err(ApiError::invalid(
+                Some(K),
+                format!("token id {id} in '{K}' is out of range (vocabulary {vocab_size})"),
+            ));
+        }
+        if !ids.contains(&(id as u32)) {
+            ids.push(id as u32);
+        }
+    }
+    Ok(ids)
+}
+
+pub fn common(o: &Obj, max_tokens_keys: &[&str], vocab_size: usize) -> R<Common> {
     let mut max_tokens = None;
     for k in max_tokens_keys {
         if let Some(n) = opt_int(o, k, 1)? {
@@ -130,10 +189,18 @@ pub fn common(o: &Obj, max_tokens_keys: &[&str]) -> R<Common> {
             top_k: opt_int(o, "top_k", 0)?.unwrap_or(0) as usize,
             seed: opt_int(o, "seed", i64::MIN)?.map(|s| s as u64),
             logprobs: None,
+            repetition_penalty: opt_positive_f32(o, "repetition_penalty")?.unwrap_or(1.0),
+            frequency_penalty: opt_f32(o, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
+            presence_penalty: opt_f32(o, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0),
+            min_tokens: 0,
+            min_tokens_masked: Vec::new(),
         },
         stop,
         stream: opt_bool(o, "stream")?.unwrap_or(false),
         include_usage,
+        ignore_eos: opt_bool(o, "ignore_eos")?.unwrap_or(false),
+        min_tokens: opt_int(o, "min_tokens", 0)?.unwrap_or(0) as usize,
+        stop_token_ids: stop_token_ids(o, vocab_size)?,
     })
 }
 

@@ -620,3 +620,155 @@ fn a_connection_accepted_before_the_drain_still_gets_its_answer() {
     while read_chunk(&mut stream).is_some() {}
     serving.join().unwrap();
 }
+
+/// Every field of the refused table with a value that asks for something gets a 400
+/// naming it, on both endpoints; every ignored field is accepted; the new parameters'
+/// bad values name their field. Nothing reaches the engine.
+#[test]
+fn unsupported_fields_are_refused_by_name_and_ignored_ones_accepted() {
+    let s = start(1000);
+    let comp = |extra: &str| format!(r#"{{"model":"toy","prompt":"Hi","max_tokens":3{extra}}}"#);
+    for (field, _) in fields::REFUSED {
+        for (path, body) in [
+            (
+                "/v1/chat/completions",
+                chat_body(&format!(r#","{field}":"x""#)),
+            ),
+            ("/v1/completions", comp(&format!(r#","{field}":"x""#))),
+        ] {
+            assert_400(&post(&s, path, &body), Some(field), "not supported");
+        }
+    }
+    for (param, extra, needle) in [
+        ("max_tokenz", r#","max_tokenz":3"#, "unrecognized"),
+        ("prompt", r#","prompt":"x""#, "unrecognized"),
+        (
+            "stream_options.include_usagee",
+            r#","stream_options":{"include_usagee":true}"#,
+            "unrecognized",
+        ),
+        ("ignore_eos", r#","ignore_eos":1"#, "boolean"),
+        ("min_tokens", r#","min_tokens":-2"#, "at least 0"),
+        (
+            "min_tokens",
+            r#","min_tokens":4"#,
+            "more than 'max_tokens' (3)",
+        ),
+        (
+            "stop_token_ids",
+            r#","stop_token_ids":[1,258]"#,
+            "out of range",
+        ),
+        ("stop_token_ids", r#","stop_token_ids":[1.5]"#, "token ids"),
+        ("stop_token_ids", r#","stop_token_ids":"A""#, "array"),
+        (
+            "repetition_penalty",
+            r#","repetition_penalty":0"#,
+            "greater than 0",
+        ),
+        (
+            "repetition_penalty",
+            r#","repetition_penalty":-1"#,
+            "greater than 0",
+        ),
+        (
+            "frequency_penalty",
+            r#","frequency_penalty":2.5"#,
+            "between -2 and 2",
+        ),
+        (
+            "presence_penalty",
+            r#","presence_penalty":-2.01"#,
+            "between -2 and 2",
+        ),
+    ] {
+        let body = chat_body(&format!(r#","max_tokens":3{extra}"#));
+        assert_400(
+            &post(&s, "/v1/chat/completions", &body),
+            Some(param),
+            needle,
+        );
+    }
+    // Without max_tokens, min_tokens raises the default (16) but must fit the context.
+    assert_400(
+        &post(
+            &s,
+            "/v1/chat/completions",
+            &chat_body(r#","min_tokens":1020"#),
+        ),
+        Some("min_tokens"),
+        "does not fit",
+    );
+    let many: Vec<String> = (0..=params::MAX_STOP_TOKEN_IDS)
+        .map(|i| (i % 40).to_string())
+        .collect();
+    assert_400(
+        &post(
+            &s,
+            "/v1/completions",
+            &comp(&format!(r#","stop_token_ids":[{}]"#, many.join(","))),
+        ),
+        Some("stop_token_ids"),
+        "at most 1024",
+    );
+    assert!(s.runner.lock().unwrap().log.is_empty(), "nothing ran");
+    let ignored: String = fields::IGNORED
+        .iter()
+        .map(|f| format!(r#","{f}":"x""#))
+        .collect();
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            chat_body(&format!(r#","max_tokens":3{ignored}"#)),
+        ),
+        ("/v1/completions", comp(&ignored)),
+    ] {
+        let r = post(&s, path, &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+}
+
+/// stop_token_ids on the toy runner, whose ids 0..40 are the letters 'A'..: the generated
+/// text stops right before the first letter whose id is listed, and min_tokens lets it
+/// pass until enough tokens were generated.
+#[test]
+fn stop_token_ids_and_min_tokens_reach_the_engine() {
+    let s = start(1000);
+    let body = |extra: &str| {
+        format!(r#"{{"model":"toy","prompt":[5,6,7],"max_tokens":10,"temperature":0{extra}}}"#)
+    };
+    let text = |extra: &str| {
+        let v = post(&s, "/v1/completions", &body(extra)).json();
+        let c = &v["choices"][0];
+        (
+            c["text"].as_str().unwrap().to_owned(),
+            c["finish_reason"].as_str().unwrap().to_owned(),
+        )
+    };
+    let (all, fin) = text("");
+    assert_eq!((all.len(), fin.as_str()), (10, "length"), "{all}");
+    let id = |c: char| c as u32 - 'A' as u32;
+    let k = (1..all.len())
+        .find(|&k| !all[..k].contains(&all[k..k + 1]))
+        .unwrap();
+    let stop_at = all.as_bytes()[k] as char;
+    assert_eq!(
+        text(&format!(r#","stop_token_ids":[{}]"#, id(stop_at))),
+        (all[..k].to_owned(), "stop".to_owned())
+    );
+    // The id is masked until min_tokens: the k-th token becomes another one.
+    let (masked, _) = text(&format!(
+        r#","stop_token_ids":[{}],"min_tokens":{}"#,
+        id(stop_at),
+        k + 1
+    ));
+    assert_eq!(&masked[..k], &all[..k]);
+    assert_ne!(masked.as_bytes()[k] as char, stop_at, "{masked}");
+    // Default-valued extras change nothing.
+    assert_eq!(
+        text(
+            r#","ignore_eos":false,"min_tokens":0,"stop_token_ids":[],"repetition_penalty":1,"frequency_penalty":0,"presence_penalty":0"#
+        ),
+        (all, fin)
+    );
+}

@@ -7,7 +7,11 @@
 //! needs a candidate past them (the top-p prefix or, with top_p = 1, the draw lands in the
 //! tail) is finished on the host from that row's logits with the same draw, so there is no
 //! candidate cap in the results. Rows of requests asking for logprobs copy their logits to
-//! the host and use `Sampler::sample` (the logprobs need the whole row). Counted in
+//! the host and use `Sampler::sample` (the logprobs need the whole row), and so do rows
+//! whose sampler adjusts its logits first ([`Sampler::adjusts_logits`]: repetition,
+//! frequency or presence penalties, or `min_tokens` masking): those need the sequence's
+//! token history, which lives in the host sampler, and the kernel takes none; they are
+//! rare enough that a row copy per token is the simpler price. Counted in
 //! [`SamplingStats`].
 
 use tandem_kernels::cuda::launch::{self, SampleRow};
@@ -26,8 +30,8 @@ pub struct SamplingStats {
     /// Left to the host by the device (beyond its candidates, or no finite logit); the
     /// row's logits were copied back and sampled with the same draw.
     pub deferred_rows: u64,
-    /// Sampled on the host from the start (logprobs requested, parameters the kernel does
-    /// not take, or device sampling switched off).
+    /// Sampled on the host from the start (logprobs requested, penalties or `min_tokens`
+    /// masking, parameters the kernel does not take, or device sampling switched off).
     pub host_rows: u64,
 }
 
@@ -53,6 +57,16 @@ pub(super) fn device_row(p: &SamplingParams) -> Option<SampleRow> {
         top_p: p.top_p,
         uniform: 0.0,
     })
+}
+
+/// [`device_row`] of a sampler's next row. Penalties and `min_tokens` masking adjust the
+/// logits from the sequence's token history, which only the host sampler holds and the
+/// kernel does not take: while they apply, the row goes to the host.
+pub(super) fn sampler_row(s: &Sampler) -> Option<SampleRow> {
+    if s.adjusts_logits() {
+        return None;
+    }
+    device_row(s.params())
 }
 
 /// Device buffers of the sampling kernels for up to `cap` rows: per row the packed
@@ -125,7 +139,7 @@ impl CudaModelRunner {
         let mut packed = Vec::with_capacity(rows);
         for &j in &owners {
             let s = &mut *samplers[j];
-            match device_row(s.params()) {
+            match sampler_row(s) {
                 Some(mut row) => {
                     let u = s.draw();
                     row.uniform = u.unwrap_or(0.0);

@@ -7,7 +7,7 @@ use std::path::Path;
 use tandem_kernels::cuda::launch::{self, SampleRow};
 
 use super::graphs::{decode_bucket, decode_table_cap};
-use super::sampling::device_row;
+use super::sampling::{device_row, sampler_row};
 use super::*;
 use crate::model::forward::grown_caps;
 use crate::sampling::SamplingParams;
@@ -106,6 +106,7 @@ fn sampling_parameters_pack_for_the_device_like_the_host_reads_them() {
         top_p,
         seed: Some(1),
         logprobs,
+        ..Default::default()
     };
     assert_eq!(device_row(&p(0.0, 5, 0.5, None)), Some(SampleRow::GREEDY));
     assert_eq!(device_row(&p(-1.0, 0, 1.0, None)), Some(SampleRow::GREEDY));
@@ -128,6 +129,46 @@ fn sampling_parameters_pack_for_the_device_like_the_host_reads_them() {
     let words = launch::pack_sample_rows(&[SampleRow { uniform: 0.5, ..r }]);
     assert_eq!(words.len(), launch::SAMPLE_WORDS);
     assert_eq!(f32::from_bits(words[3]), 0.5);
+}
+
+#[test]
+fn rows_with_penalties_or_min_tokens_masking_are_sampled_on_the_host() {
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
+    assert_eq!(
+        sampler_row(&Sampler::new(greedy.clone())),
+        Some(SampleRow::GREEDY)
+    );
+    for p in [
+        SamplingParams {
+            repetition_penalty: 1.1,
+            ..greedy.clone()
+        },
+        SamplingParams {
+            frequency_penalty: 0.5,
+            ..greedy.clone()
+        },
+        SamplingParams {
+            presence_penalty: -0.5,
+            ..greedy.clone()
+        },
+    ] {
+        assert_eq!(sampler_row(&Sampler::with_prompt(p, &[1, 2])), None);
+    }
+    // min_tokens masks (host) until that many tokens were accepted, then the device takes
+    // the row again.
+    let mut s = Sampler::new(SamplingParams {
+        min_tokens: 2,
+        min_tokens_masked: vec![0],
+        ..greedy
+    });
+    assert_eq!(sampler_row(&s), None);
+    s.accept(5);
+    assert_eq!(sampler_row(&s), None);
+    s.accept(6);
+    assert_eq!(sampler_row(&s), Some(SampleRow::GREEDY));
 }
 
 // ---- GPU only (feature `gpu-tests`): compiled and linted in CI, run by
@@ -410,13 +451,18 @@ mod gpu {
     }
 
     /// Steps a batch of five requests with `step_sample`; their tokens (and logprobs).
+    /// Each sampler knows its prompt and accepts its tokens, as in the engine.
     fn sample_batch(
         r: &mut CudaModelRunner,
         params: &[SamplingParams],
         steps: usize,
     ) -> Vec<Vec<Sampled>> {
-        let mut samplers: Vec<Sampler> = params.iter().cloned().map(Sampler::new).collect();
         let mut next: Vec<Vec<u32>> = prompts();
+        let mut samplers: Vec<Sampler> = params
+            .iter()
+            .zip(&next)
+            .map(|(p, prompt)| Sampler::with_prompt(p.clone(), prompt))
+            .collect();
         let mut out = vec![Vec::new(); params.len()];
         for _ in 0..steps {
             let batch: Vec<StepInput> = next
@@ -432,6 +478,7 @@ mod gpu {
             let got = r.step_sample(&batch, &mut refs).unwrap();
             for (i, g) in got.into_iter().enumerate() {
                 let g = g.unwrap();
+                samplers[i].accept(g.0);
                 next[i] = vec![g.0];
                 out[i].push(g);
             }
@@ -449,6 +496,7 @@ mod gpu {
             top_p,
             seed: Some(seed),
             logprobs,
+            ..Default::default()
         };
         let params = [
             sp(0.8, 40, 0.9, 1, None),
@@ -474,6 +522,52 @@ mod gpu {
         assert_eq!(st.device_rows + st.deferred_rows, 4 * 24);
         assert!(st.device_rows > 0);
         assert_eq!(host.sampling_stats().host_rows, 5 * 24);
+    }
+
+    #[test]
+    fn gpu_rows_with_penalties_or_min_tokens_go_to_the_host_and_equal_host_sampling() {
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        };
+        let params = [
+            SamplingParams {
+                repetition_penalty: 1.3,
+                ..greedy.clone()
+            },
+            SamplingParams {
+                temperature: 0.9,
+                seed: Some(8),
+                frequency_penalty: 0.5,
+                presence_penalty: 0.3,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_tokens: 3,
+                min_tokens_masked: vec![13, 30],
+                ..greedy.clone()
+            },
+            greedy,
+            SamplingParams {
+                temperature: 0.8,
+                seed: Some(9),
+                ..Default::default()
+            },
+        ];
+        let mut host = gpu_runner(4096);
+        host.set_options(CudaOptions {
+            graphs: false,
+            device_sampling: false,
+        });
+        let mut dev = gpu_runner(4096);
+        let want = sample_batch(&mut host, &params, 24);
+        let got = sample_batch(&mut dev, &params, 24);
+        assert_eq!(got, want);
+        let st = dev.sampling_stats();
+        println!("device sampling with penalties, 5 x 24 tokens: {st:?}");
+        // Two penalized rows every step, the min_tokens row for its first 3 tokens.
+        assert_eq!(st.host_rows, 2 * 24 + 3);
+        assert_eq!(st.device_rows + st.deferred_rows, 3 * 24 - 3);
     }
 
     struct Lcg(u64);
@@ -598,7 +692,7 @@ mod gpu {
                 top_k,
                 top_p,
                 seed: Some(0),
-                logprobs: None,
+                ..Default::default()
             };
             let host = Sampler::new(p.clone());
             let dr = device_row(&p).unwrap();
