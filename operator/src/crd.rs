@@ -357,6 +357,14 @@ pub struct RolloutSpec {
     /// Stop starting new group updates.
     #[serde(default)]
     pub paused: bool,
+    /// Seconds a rebuilt group must have been Ready before it counts as available and the
+    /// rollout takes down the next one (as a Deployment's `minReadySeconds`). The endpoint
+    /// controller lists a group's decode in the client Service a moment after it turns
+    /// Ready; a few seconds here keep the Service from dipping below `groups -
+    /// maxUnavailableGroups` in that moment. 0: at once.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 3600))]
+    pub min_ready_seconds: i32,
 }
 
 fn default_max_unavailable() -> i32 {
@@ -369,6 +377,7 @@ impl Default for RolloutSpec {
             max_unavailable_groups: default_max_unavailable(),
             partition: 0,
             paused: false,
+            min_ready_seconds: 0,
         }
     }
 }

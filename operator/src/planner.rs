@@ -14,7 +14,8 @@
 //!    was Ready stays not-ready past the window, pods of another incarnation, a revision
 //!    change, or a restart request. A co-restart bumps the incarnation and enters phase 1.
 //!    Failure restarts back off exponentially; planned ones (rollout, request) are
-//!    limited by `rollout.maxUnavailableGroups`.
+//!    limited by `rollout.maxUnavailableGroups`; a rebuilt group counts as available again
+//!    once it has been Ready for `rollout.minReadySeconds`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -423,10 +424,20 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     // (rollout, restart request) only while fewer than maxUnavailableGroups groups are
     // down, highest index first.
     let max_unavailable = input.spec.rollout.max_unavailable_groups.max(1);
+    let settle = Settle {
+        min_ready: Duration::from_secs(input.spec.rollout.min_ready_seconds.max(0) as u64),
+        now: input.now,
+    };
     let mut unavailable = groups
         .values()
-        .filter(|m| m.index < desired_groups && !group_available(m, &triggers))
+        .filter(|m| m.index < desired_groups && !group_available(m, &triggers, &settle))
         .count() as i32;
+    // A planned restart held back only by a group still settling: plan again when it
+    // has settled.
+    let planned_waiting = triggers.values().any(|t| !is_failure(t.reason));
+    if planned_waiting && let Some(d) = groups.values().filter_map(|m| settle.remaining(m)).min() {
+        ctx.requeue_in(d);
+    }
     let mut fire: BTreeMap<i32, Trigger> = BTreeMap::new();
     for (&g, t) in triggers.iter() {
         if is_failure(t.reason) {
@@ -437,13 +448,17 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         if is_failure(t.reason) {
             continue;
         }
-        let available = groups
-            .get(&g)
-            .is_some_and(|m| group_available(m, &triggers));
-        if !available {
+        let Some(mem) = groups.get(&g) else {
+            fire.insert(g, t.clone());
+            continue;
+        };
+        // A Ready group still settling may not be behind the Service yet: it is not taken
+        // down before it has settled (the requeue above comes back for it).
+        let settling = settle.remaining(mem).is_some();
+        if !group_available(mem, &triggers, &Settle::at_once(input.now)) {
             // Already down: restarting it takes nothing more away.
             fire.insert(g, t.clone());
-        } else if unavailable < max_unavailable {
+        } else if !settling && unavailable < max_unavailable {
             unavailable += 1;
             fire.insert(g, t.clone());
         }
@@ -471,10 +486,38 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     }
 }
 
-/// A group counts as available for the rollout budget when it is Ready and nothing is
-/// about to break it.
-fn group_available(mem: &GroupStatus, triggers: &BTreeMap<i32, Trigger>) -> bool {
+/// `rollout.minReadySeconds` at the time of this plan.
+struct Settle {
+    min_ready: Duration,
+    now: Timestamp,
+}
+
+impl Settle {
+    /// No settle time: Ready counts at once.
+    fn at_once(now: Timestamp) -> Self {
+        Self {
+            min_ready: Duration::ZERO,
+            now,
+        }
+    }
+
+    /// How long until a Ready group has been Ready for `min_ready`; `None` when it has
+    /// (or is not Ready).
+    fn remaining(&self, mem: &GroupStatus) -> Option<Duration> {
+        if mem.phase != GroupPhase::Ready || self.min_ready.is_zero() {
+            return None;
+        }
+        let since = mem.ready_since.as_ref()?.0;
+        let left = until(self.now, add(since, self.min_ready));
+        (!left.is_zero()).then_some(left)
+    }
+}
+
+/// A group counts as available for the rollout budget when it is Ready, has been for
+/// `rollout.minReadySeconds`, and nothing is about to break it.
+fn group_available(mem: &GroupStatus, triggers: &BTreeMap<i32, Trigger>, settle: &Settle) -> bool {
     mem.phase == GroupPhase::Ready
+        && settle.remaining(mem).is_none()
         && triggers
             .get(&mem.index)
             .is_none_or(|t| !is_failure(t.reason))

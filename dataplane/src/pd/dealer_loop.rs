@@ -326,7 +326,12 @@ impl DealerLoop {
             .collect();
         tracing::warn!(peer = %self.addr, %endpoint, peer_incarnation = %format!("{:016x}", self.shared.peer_incarnation.load(Ordering::Relaxed)), rooms_failed = lost.len(), "connection to the prefill closed");
         for id in lost {
-            self.fail_room(id, FailCode::PeerLost, "connection to the prefill closed", false);
+            self.fail_room(
+                id,
+                FailCode::PeerLost,
+                "connection to the prefill closed",
+                false,
+            );
         }
     }
 

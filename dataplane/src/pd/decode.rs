@@ -78,7 +78,8 @@ pub fn start(
         sock.set_reconnect_ivl(100).map_err(io)?;
         sock.set_reconnect_ivl_max(1000).map_err(io)?;
         // Before connecting, so that no closed connection goes unreported.
-        let monitor = wire::disconnect_monitor(&ctx, &sock, &format!("decode-peer-{i}")).map_err(io)?;
+        let monitor =
+            wire::disconnect_monitor(&ctx, &sock, &format!("decode-peer-{i}")).map_err(io)?;
         sock.connect(&format!("tcp://{addr}")).map_err(io)?;
         let (tx, rx) = sync_channel(1024);
         let shared = Arc::new(PeerShared::new());

@@ -340,6 +340,54 @@ fn revision_change_rolls_one_group_at_a_time_highest_first() {
 }
 
 #[test]
+fn min_ready_seconds_holds_the_next_group_until_the_rebuilt_one_has_settled() {
+    let mut sim = ready_sim(3);
+    sim.spec.rollout.min_ready_seconds = 5;
+    sim.spec.decode.template.image = "tandem:2".into();
+    // Groups Ready for less than 5 s are not taken down by the rollout either.
+    assert!(sim.reconcile().co_restarts.is_empty());
+    sim.advance(5);
+    assert_eq!(
+        Sim::co_restart_reasons(&sim.reconcile()),
+        vec![(2, R::RevisionChanged)]
+    );
+    // Rebuild group 2 without the clock moving: it turns Ready, but group 1 waits.
+    for _ in 0..20 {
+        sim.start_pending();
+        sim.finish_terminations();
+        let plan = sim.reconcile();
+        assert!(plan.co_restarts.is_empty(), "{:?}", plan.co_restarts);
+    }
+    assert_eq!(sim.group(2).phase, GroupPhase::Ready);
+    let plan = sim.reconcile();
+    assert!(plan.co_restarts.is_empty());
+    // The planner asks to be called back when group 2 has settled, not later.
+    let requeue = plan.requeue_after.expect("a requeue while group 2 settles");
+    assert!(requeue <= Duration::from_secs(5), "{requeue:?}");
+    sim.advance(4);
+    assert!(sim.reconcile().co_restarts.is_empty(), "4 s of the 5 only");
+    sim.advance(1);
+    assert_eq!(
+        Sim::co_restart_reasons(&sim.reconcile()),
+        vec![(1, R::RevisionChanged)]
+    );
+}
+
+#[test]
+fn min_ready_seconds_does_not_delay_failure_repairs() {
+    let mut sim = ready_sim(2);
+    sim.spec.rollout.min_ready_seconds = 60;
+    // Group 1 just became Ready again (its ready_since is now); group 0 fails: repaired at
+    // once, whatever the settle time.
+    let decode = only_pod(&sim, 0, Role::Decode);
+    sim.fail(&decode);
+    assert_eq!(
+        Sim::co_restart_reasons(&sim.reconcile()),
+        vec![(0, R::MemberFailed)]
+    );
+}
+
+#[test]
 fn max_unavailable_two_rolls_two_groups_at_once() {
     let mut sim = ready_sim(3);
     sim.spec.rollout.max_unavailable_groups = 2;
