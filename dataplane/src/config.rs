@@ -150,6 +150,10 @@ pub struct Config {
     /// (their handshake checks it).
     #[arg(long, env = "TANDEM_KV_DTYPE", value_enum, default_value = "f16")]
     pub kv_dtype: KvDtype,
+    /// Turn the prefix cache off: every prompt is computed in full, and KV blocks are
+    /// free as soon as their request ends (`TANDEM_NO_PREFIX_CACHE=1`).
+    #[arg(long, env = "TANDEM_NO_PREFIX_CACHE", value_parser = clap::builder::FalseyValueParser::new())]
+    pub no_prefix_cache: bool,
     /// Most prompt tokens prefilled per engine step.
     #[arg(long, env = "TANDEM_CHUNK_SIZE", default_value_t = 256, value_parser = at_least_one)]
     pub chunk_size: usize,

@@ -153,6 +153,8 @@ impl FinishReason {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 /// Why a generation failed; `label()` is the metrics reason label.

@@ -20,9 +20,21 @@ use crate::engine_api::{KvUsage, ModelInfo, SeqId, StepInput};
 use crate::error::{Context, Error, Result};
 use crate::gguf::Gguf;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RunnerConfig {
     pub kv: KvCacheConfig,
+    /// Keep whole prompt blocks cached for later prompts that start alike
+    /// (`prefix_cache`); on by default.
+    pub prefix_cache: bool,
+}
+
+impl Default for RunnerConfig {
+    fn default() -> Self {
+        Self {
+            kv: KvCacheConfig::default(),
+            prefix_cache: true,
+        }
+    }
 }
 
 impl RunnerConfig {
@@ -35,6 +47,7 @@ impl RunnerConfig {
                 n_blocks: tokens.div_ceil(block_tokens).max(1),
                 dtype,
             },
+            ..Self::default()
         }
     }
 }
@@ -91,7 +104,11 @@ impl<B: Backend> LoadedModel<B> {
         Ok(Self {
             info: ModelInfo::from_gguf(&g, &cfg, rc.kv.block_tokens),
             kv_cfg: rc.kv,
-            blocks: BlockAllocator::new(rc.kv.block_tokens, rc.kv.n_blocks),
+            blocks: BlockAllocator::with_prefix_cache(
+                rc.kv.block_tokens,
+                rc.kv.n_blocks,
+                rc.prefix_cache,
+            ),
             weights,
             kv,
             acts,
@@ -260,14 +277,32 @@ impl<B: Backend> LoadedModel<B> {
         Ok(split_logits(batch, &logits, self.config().vocab_size))
     }
 
-    pub fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<()> {
+    fn check_context(&self, total_tokens: usize) -> Result<()> {
         let ctx = self.config().context_length;
         if total_tokens > ctx {
             return Err(Error::InvalidInput(format!(
                 "{total_tokens} tokens exceed the context length {ctx}"
             )));
         }
+        Ok(())
+    }
+
+    pub fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<()> {
+        self.check_context(total_tokens)?;
         self.blocks.reserve(seq, total_tokens)
+    }
+
+    /// [`crate::engine_api::ModelRunner::reserve_prompt`]: the block bookkeeping only (a
+    /// shared block is read by the same attention kernels as any other block), so every
+    /// backend has it.
+    pub fn reserve_prompt(
+        &mut self,
+        seq: SeqId,
+        prompt: &[u32],
+        total_tokens: usize,
+    ) -> Result<usize> {
+        self.check_context(total_tokens.max(prompt.len()))?;
+        self.blocks.reserve_prompt(seq, prompt, total_tokens)
     }
 
     pub fn seq_len(&self, seq: SeqId) -> usize {

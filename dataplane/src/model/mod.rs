@@ -11,6 +11,7 @@ mod info;
 pub mod kv_cache;
 mod kv_transfer;
 mod loaded;
+pub mod prefix_cache;
 mod runner;
 pub mod synthetic;
 mod weights;

@@ -84,6 +84,10 @@ impl ModelRunner for CpuModelRunner {
         self.model.reserve(seq, total_tokens)
     }
 
+    fn reserve_prompt(&mut self, seq: SeqId, prompt: &[u32], total_tokens: usize) -> Result<usize> {
+        self.model.reserve_prompt(seq, prompt, total_tokens)
+    }
+
     fn step(&mut self, batch: &[StepInput]) -> Result<Vec<Option<Vec<f32>>>> {
         let vocab = self.model.config().vocab_size;
         let logits = self.forward_step(batch)?;

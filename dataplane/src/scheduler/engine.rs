@@ -14,7 +14,7 @@ use super::{
     Transfer, Usage,
 };
 use crate::Error;
-use crate::engine_api::{ModelRunner, SeqId, StepInput};
+use crate::engine_api::{ModelRunner, PrefixCacheCounters, SeqId, StepInput};
 use crate::metrics::Metrics;
 use crate::sampling::{Sampler, TokenLogprob};
 use crate::stop::StopMatcher;
@@ -28,6 +28,8 @@ struct Active {
     sub: Submission,
     /// Prompt tokens already in the KV cache.
     prefilled: usize,
+    /// Prompt tokens found in the prefix cache (never computed for this request).
+    cached: usize,
     /// Sampled but not yet fed back into the model.
     next_input: Option<u32>,
     generated: usize,
@@ -56,6 +58,8 @@ pub(super) struct Engine<R: ModelRunner> {
     reserved: Vec<Reserved>,
     next_seq: u64,
     disconnected: bool,
+    /// The runner's prefix-cache counters as last published.
+    prefix_seen: PrefixCacheCounters,
 }
 
 enum Outcome {
@@ -86,6 +90,7 @@ impl<R: ModelRunner> Engine<R> {
             reserved: Vec::new(),
             next_seq: 1,
             disconnected: false,
+            prefix_seen: PrefixCacheCounters::default(),
         }
     }
 
@@ -229,22 +234,23 @@ impl<R: ModelRunner> Engine<R> {
 
     /// Admit waiting requests in FIFO order while the batch has room and KV blocks for the
     /// whole request (prompt + max_tokens) can be reserved up front, so a running request
-    /// never runs out of blocks mid-generation.
+    /// never runs out of blocks mid-generation. A request that computes its prompt here
+    /// starts after the longest prefix of it the runner has cached.
     fn admit(&mut self) {
         while self.running.len() + self.reserved.len() < self.cfg.max_batch {
             let Some(front) = self.waiting.front() else {
                 break;
             };
             let total = front.req.prompt.len() + front.req.max_tokens;
-            let usage = self.runner.kv_usage();
-            if self.blocks_for(total)
-                > usage.blocks_total - usage.blocks_used.min(usage.blocks_total)
-            {
-                break;
-            }
             let seq = SeqId(self.next_seq);
-            match self.runner.reserve(seq, total) {
-                Ok(()) => {}
+            // The runner's reservation is all or nothing, and counts idle cached blocks as
+            // free and the cached prefix as held already.
+            let reserved = match front.req.transfer {
+                Transfer::Import(_) => self.runner.reserve(seq, total).map(|()| 0),
+                _ => self.runner.reserve_prompt(seq, &front.req.prompt, total),
+            };
+            let cached = match reserved {
+                Ok(cached) => cached,
                 Err(Error::KvCacheFull { .. }) => break,
                 Err(e) => {
                     let sub = self.waiting.pop_front().expect("front exists");
@@ -256,7 +262,7 @@ impl<R: ModelRunner> Engine<R> {
                     );
                     continue;
                 }
-            }
+            };
             self.next_seq += 1;
             let sub = self.waiting.pop_front().expect("front exists");
             if let Transfer::Import(slot) = &sub.req.transfer {
@@ -282,7 +288,8 @@ impl<R: ModelRunner> Engine<R> {
                 sampler: Sampler::new(sub.req.sampling.clone()),
                 stop: StopMatcher::new(sub.req.stop.clone()),
                 sub,
-                prefilled: 0,
+                prefilled: cached,
+                cached,
                 next_input: None,
                 generated: 0,
                 decoder: StreamDecoder::new(),
@@ -335,6 +342,7 @@ impl<R: ModelRunner> Engine<R> {
                 sampler,
                 stop: StopMatcher::new(sub.req.stop.clone()),
                 prefilled: sub.req.prompt.len(),
+                cached: 0,
                 sub,
                 next_input: None,
                 generated: 0,
@@ -481,6 +489,7 @@ impl<R: ModelRunner> Engine<R> {
                     let usage = Usage {
                         prompt_tokens: a.sub.req.prompt.len(),
                         completion_tokens: a.generated,
+                        cached_tokens: a.cached,
                     };
                     let _ = a.sub.out.try_send(GenEvent::Done {
                         reason,
@@ -558,8 +567,11 @@ impl<R: ModelRunner> Engine<R> {
         }
     }
 
-    fn publish_gauges(&self) {
+    fn publish_gauges(&mut self) {
         let kv = self.runner.kv_usage();
+        self.metrics
+            .prefix_cache
+            .publish(&mut self.prefix_seen, &kv);
         self.metrics.running.set(self.running.len() as i64);
         self.metrics.waiting.set(self.waiting.len() as i64);
         self.metrics.kv_blocks_used.set(kv.blocks_used as i64);

@@ -118,7 +118,8 @@ fn batched_outputs_equal_single_runs() {
                 FinishReason::Length,
                 Usage {
                     prompt_tokens: prompts()[i].len(),
-                    completion_tokens: 12
+                    completion_tokens: 12,
+                    cached_tokens: 0,
                 }
             )
         );

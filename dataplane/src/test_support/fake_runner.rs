@@ -135,6 +135,7 @@ impl ModelRunner for FakeRunner {
         KvUsage {
             blocks_total: st.blocks_total,
             blocks_used: st.used(),
+            ..Default::default()
         }
     }
     /// The toy's "KV" is its token history, as little-endian u32s.

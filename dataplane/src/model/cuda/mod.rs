@@ -142,6 +142,10 @@ impl ModelRunner for CudaModelRunner {
         self.model.reserve(seq, total_tokens)
     }
 
+    fn reserve_prompt(&mut self, seq: SeqId, prompt: &[u32], total_tokens: usize) -> Result<usize> {
+        self.model.reserve_prompt(seq, prompt, total_tokens)
+    }
+
     fn step(&mut self, batch: &[StepInput]) -> Result<Vec<Option<Vec<f32>>>> {
         let rows = self.forward(batch)?;
         let logits = self.model.logits_to_host(rows)?;
