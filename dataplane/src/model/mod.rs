@@ -17,6 +17,8 @@ pub mod synthetic;
 mod weights;
 
 #[cfg(test)]
+mod prefix_tests;
+#[cfg(test)]
 mod tests;
 
 pub use config::LlamaConfig;
