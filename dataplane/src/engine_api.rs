@@ -136,6 +136,29 @@ pub trait ModelRunner: Send {
             "import into {seq:?}: not supported by this runner"
         )))
     }
+
+    /// [`ModelRunner::export_kv`] of the tokens from `start` on (whole KV blocks: the
+    /// prefix the importing side holds in its prefix cache).
+    fn export_kv_from(&self, seq: SeqId, start: usize) -> crate::Result<Vec<u8>> {
+        if start == 0 {
+            return self.export_kv(seq);
+        }
+        Err(crate::Error::KvTransfer(format!(
+            "export of {seq:?} from token {start}: not supported by this runner"
+        )))
+    }
+
+    /// [`ModelRunner::import_kv`] after the `prefix` tokens `seq` holds already (the
+    /// cached prefix [`ModelRunner::reserve_prompt`] found): the payload is an export from
+    /// `prefix` on, appended to them.
+    fn import_kv_after(&mut self, seq: SeqId, prefix: usize, payload: &[u8]) -> crate::Result<()> {
+        if prefix == 0 {
+            return self.import_kv(seq, payload);
+        }
+        Err(crate::Error::KvTransfer(format!(
+            "import into {seq:?} after {prefix} tokens: not supported by this runner"
+        )))
+    }
 }
 
 /// A boxed runner is a runner, so the binary can pick the backend (`--device`) at run time.
@@ -178,6 +201,12 @@ impl<T: ModelRunner + ?Sized> ModelRunner for Box<T> {
     }
     fn import_kv(&mut self, seq: SeqId, payload: &[u8]) -> crate::Result<()> {
         (**self).import_kv(seq, payload)
+    }
+    fn export_kv_from(&self, seq: SeqId, start: usize) -> crate::Result<Vec<u8>> {
+        (**self).export_kv_from(seq, start)
+    }
+    fn import_kv_after(&mut self, seq: SeqId, prefix: usize, payload: &[u8]) -> crate::Result<()> {
+        (**self).import_kv_after(seq, prefix, payload)
     }
 }
 

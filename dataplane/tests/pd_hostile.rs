@@ -200,6 +200,7 @@ fn hostile_input_is_counted_by_kind_and_serving_continues() {
             top_p: 1.0,
             seed: None,
             logprobs: None,
+            cached_tokens: 0,
         })
     };
     c.send(&env(&me, 900, prefill_req(200)));

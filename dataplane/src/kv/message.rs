@@ -133,6 +133,9 @@ pub struct PrefillRequest {
     pub top_p: f32,
     pub seed: Option<u64>,
     pub logprobs: Option<u32>,
+    /// Leading prompt tokens whose KV the decode holds already (its prefix cache; whole
+    /// KV blocks, fewer than `tokens`): their KV is not sent.
+    pub cached_tokens: u32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -421,6 +424,7 @@ fn encode_payload(m: &Message) -> Vec<u8> {
             w.u64(p.seed.unwrap_or(0));
             w.u8(p.logprobs.is_some() as u8);
             w.u32(p.logprobs.unwrap_or(0));
+            w.u32(p.cached_tokens);
         }
         Message::KvChunk(c) => {
             chunk_prefix(&mut w, &c.into());
@@ -656,6 +660,12 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
             let seed = r.u64()?;
             let has_lp = r.flag()?;
             let lp = r.u32()?;
+            let cached_tokens = r.u32()?;
+            if cached_tokens as usize >= n {
+                return Err(DecodeError::BadValue(format!(
+                    "{cached_tokens} cached tokens of a {n}-token prompt"
+                )));
+            }
             Message::Prefill(PrefillRequest {
                 tokens,
                 temperature,
@@ -663,6 +673,7 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
                 top_p,
                 seed: has_seed.then_some(seed),
                 logprobs: has_lp.then_some(lp),
+                cached_tokens,
             })
         }
         MsgType::KvChunk => {

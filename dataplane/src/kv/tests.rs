@@ -60,9 +60,11 @@ fn message() -> impl Strategy<Value = Message> {
             any::<u32>(),
             finite(),
             any::<Option<u64>>(),
-            any::<Option<u32>>()
+            any::<Option<u32>>(),
+            any::<u32>()
         )
-            .prop_map(|(tokens, temperature, top_k, top_p, seed, logprobs)| {
+            .prop_map(|(tokens, temperature, top_k, top_p, seed, logprobs, c)| {
+                let cached_tokens = c % tokens.len() as u32;
                 Message::Prefill(PrefillRequest {
                     tokens,
                     temperature,
@@ -70,6 +72,7 @@ fn message() -> impl Strategy<Value = Message> {
                     top_p,
                     seed,
                     logprobs,
+                    cached_tokens,
                 })
             }),
         (
@@ -241,6 +244,7 @@ fn hundred_thousand_hostile_inputs_never_panic() {
                         top_p: 1.0,
                         seed: None,
                         logprobs: None,
+                        cached_tokens: 0,
                     }),
                 };
                 let mut f = encode(&env).to_vec();

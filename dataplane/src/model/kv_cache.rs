@@ -68,6 +68,8 @@ struct SeqBlocks {
     prompt: Vec<u32>,
     keys: Vec<BlockKey>,
     published: usize,
+    /// Tokens of the prompt given to `reserve_prompt` (its blocks are cached from it).
+    prompt_len: Option<usize>,
 }
 
 /// Which blocks of the pool each sequence owns, and how many tokens it holds; with the
@@ -233,6 +235,7 @@ impl BlockAllocator {
                 prompt: prompt[..keys.len() * bt].to_vec(),
                 keys,
                 published,
+                prompt_len: Some(prompt.len()),
             },
         );
         Ok(hit_tokens)
@@ -255,6 +258,12 @@ impl BlockAllocator {
                 _ => self.free.push(b),
             }
         }
+    }
+
+    /// The prompt length `seq` was created for by [`Self::reserve_prompt`] with the prefix
+    /// cache on (its whole blocks enter the cache as they are stored).
+    pub fn prompt_len(&self, seq: SeqId) -> Option<usize> {
+        self.seqs.get(&seq)?.prompt_len
     }
 
     pub fn table(&self, seq: SeqId) -> &[u32] {

@@ -255,3 +255,86 @@ fn prefix_cache_outputs_are_bit_identical_on_the_real_model() {
     };
     check_bit_identical(&mk, &prompts, 3, "SmolLM2, KV F16");
 }
+
+/// PD with a prefix on the decode: the decode finds the prefix in its own cache, the
+/// prefill exports only the rest, and the stitched sequence continues exactly as the
+/// prefill's own would; every misuse fails without side effects.
+#[test]
+fn a_suffix_export_stitched_after_a_cached_prefix_continues_identically() {
+    let g = Arc::new(Gguf::from_bytes(TinyLlama::default().to_bytes()).unwrap());
+    let k: Arc<dyn Kernels> = Arc::new(CpuKernels::new());
+    for dtype in [GgmlType::F16, GgmlType::Q8_0, GgmlType::F32] {
+        let mk = || {
+            let rc = RunnerConfig::with_kv_tokens(1024, dtype);
+            CpuModelRunner::new(g.clone(), rc, k.clone()).unwrap()
+        };
+        let prompts = prompts_sharing_a_prefix(96, [3, 20, 1]);
+        let (earlier, prompt) = (&prompts[0], &prompts[1]);
+        let (mut prefill, mut decode) = (mk(), mk());
+        // The decode served an earlier prompt with the same 45-token prefix (its KV
+        // imported whole, as PD does), so two whole blocks of it are cached there.
+        let s0 = SeqId(1);
+        prefill.reserve_prompt(s0, earlier, earlier.len()).unwrap();
+        prefill.step(&[step_all(s0, earlier)]).unwrap();
+        assert_eq!(
+            decode
+                .reserve_prompt(s0, earlier, earlier.len() + 4)
+                .unwrap(),
+            0
+        );
+        decode
+            .import_kv(s0, &prefill.export_kv(s0).unwrap())
+            .unwrap();
+        decode.free(s0);
+        prefill.free(s0);
+
+        let s = SeqId(2);
+        let cached = decode.reserve_prompt(s, prompt, prompt.len() + 4).unwrap();
+        assert_eq!(cached, 32, "{dtype}");
+        let first = prefill.step(&[step_all(s, prompt)]).unwrap()[0]
+            .clone()
+            .unwrap();
+        let whole = prefill.export_kv(s).unwrap();
+        let suffix = prefill.export_kv_from(s, cached).unwrap();
+        let row = whole.len() - KvHeader::LEN;
+        assert_eq!(
+            suffix.len() - KvHeader::LEN,
+            row / prompt.len() * (prompt.len() - cached),
+            "only the suffix's bytes"
+        );
+        let used = decode.kv_usage();
+        for (at, payload) in [(0, &suffix), (16, &suffix), (cached, &whole)] {
+            assert!(decode.import_kv_after(s, at, payload).is_err(), "{at}");
+            assert_eq!((decode.seq_len(s), decode.kv_usage()), (cached, used));
+        }
+        assert!(
+            prefill.export_kv_from(s, 7).is_err(),
+            "not a block boundary"
+        );
+        decode.import_kv_after(s, cached, &suffix).unwrap();
+        assert_eq!(decode.seq_len(s), prompt.len());
+        assert_eq!(
+            decode.export_kv(s).unwrap(),
+            whole,
+            "{dtype}: stitched = whole"
+        );
+        // Both continue with the same token to the same logits bits.
+        let t = argmax(&first);
+        let a = prefill.step(&[step_all(s, &[t])]).unwrap()[0]
+            .clone()
+            .unwrap();
+        let b = decode.step(&[step_all(s, &[t])]).unwrap()[0]
+            .clone()
+            .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a), bits(&b), "{dtype}");
+    }
+}
+
+fn step_all(seq: SeqId, tokens: &[u32]) -> StepInput {
+    StepInput {
+        seq,
+        tokens: tokens.to_vec(),
+        want_logits: true,
+    }
+}

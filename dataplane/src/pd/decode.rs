@@ -238,11 +238,13 @@ impl DecodeHandle {
     }
 
     /// Run `prompt` on the least-loaded healthy prefill and wait until its KV went to
-    /// `kv` (the engine's reserved sequence). Dropping the returned future (client gone)
-    /// aborts the room on both sides; the room holds `kv` until it has ended.
+    /// `kv` (the engine's reserved sequence, which holds the first `cached` tokens from
+    /// its prefix cache already: only the rest's KV is sent). Dropping the returned future
+    /// (client gone) aborts the room on both sides; the room holds `kv` until it has ended.
     pub async fn prefill(
         &self,
         prompt: &[u32],
+        cached: usize,
         sampling: &SamplingParams,
         kv: tmpsc::Sender<ImportedKv>,
     ) -> Result<(), RoomFailure> {
@@ -269,6 +271,7 @@ impl DecodeHandle {
             top_p: sampling.top_p,
             seed: sampling.seed,
             logprobs: sampling.logprobs.map(|n| n as u32),
+            cached_tokens: cached as u32,
         };
         let cmd = Command::Open {
             room: random_id(),

@@ -302,6 +302,7 @@ impl StubDecode {
             top_p: 1.0,
             seed: None,
             logprobs: None,
+            cached_tokens: 0,
         };
         self.send(room, Message::Prefill(req));
     }

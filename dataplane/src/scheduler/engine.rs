@@ -44,6 +44,8 @@ struct Reserved {
     seq: SeqId,
     sub: Submission,
     kv: tmpsc::Receiver<ImportedKv>,
+    /// Prompt tokens already in the sequence (its cached prefix): the KV follows them.
+    cached: usize,
 }
 
 pub(super) struct Engine<R: ModelRunner> {
@@ -174,6 +176,18 @@ impl<R: ModelRunner> Engine<R> {
                     self.runner.kv_usage().blocks_total
                 ),
             ))
+        } else if let Transfer::Export { from } = sub.req.transfer
+            && (!from.is_multiple_of(info.kv_block_size.max(1)) || from >= sub.req.prompt.len())
+        {
+            Err((
+                FailReason::InvalidRequest,
+                format!(
+                    "KV export from token {from}: not a whole number of {}-token blocks \
+                     within the {}-token prompt",
+                    info.kv_block_size,
+                    sub.req.prompt.len()
+                ),
+            ))
         } else if self.waiting.len() >= self.cfg.max_waiting {
             Err((
                 FailReason::QueueFull,
@@ -245,10 +259,7 @@ impl<R: ModelRunner> Engine<R> {
             let seq = SeqId(self.next_seq);
             // The runner's reservation is all or nothing, and counts idle cached blocks as
             // free and the cached prefix as held already.
-            let reserved = match front.req.transfer {
-                Transfer::Import(_) => self.runner.reserve(seq, total).map(|()| 0),
-                _ => self.runner.reserve_prompt(seq, &front.req.prompt, total),
-            };
+            let reserved = self.runner.reserve_prompt(seq, &front.req.prompt, total);
             let cached = match reserved {
                 Ok(cached) => cached,
                 Err(Error::KvCacheFull { .. }) => break,
@@ -276,8 +287,13 @@ impl<R: ModelRunner> Engine<R> {
                     );
                     continue;
                 };
-                let _ = sub.out.try_send(GenEvent::KvReserved);
-                self.reserved.push(Reserved { seq, sub, kv });
+                let _ = sub.out.try_send(GenEvent::KvReserved { cached });
+                self.reserved.push(Reserved {
+                    seq,
+                    sub,
+                    kv,
+                    cached,
+                });
                 continue;
             }
             self.metrics
@@ -311,7 +327,9 @@ impl<R: ModelRunner> Engine<R> {
                 Ok(kv) => Some(kv),
                 Err(KvTryRecvError::Disconnected) => None,
             };
-            let Reserved { seq, sub, .. } = self.reserved.swap_remove(i);
+            let Reserved {
+                seq, sub, cached, ..
+            } = self.reserved.swap_remove(i);
             let Some(kv) = kv else {
                 // The room ended (failed, or aborted and acknowledged): the HTTP request
                 // reports and counts the transfer failure; only the blocks are ours.
@@ -326,7 +344,8 @@ impl<R: ModelRunner> Engine<R> {
                 });
                 continue;
             };
-            if let Err(e) = self.runner.import_kv(seq, (*kv.payload).as_ref()) {
+            let payload = (*kv.payload).as_ref();
+            if let Err(e) = self.runner.import_kv_after(seq, cached, payload) {
                 self.runner.free(seq);
                 self.fail(
                     &sub,
@@ -342,7 +361,7 @@ impl<R: ModelRunner> Engine<R> {
                 sampler,
                 stop: StopMatcher::new(sub.req.stop.clone()),
                 prefilled: sub.req.prompt.len(),
-                cached: 0,
+                cached,
                 sub,
                 next_input: None,
                 generated: 0,
@@ -383,7 +402,7 @@ impl<R: ModelRunner> Engine<R> {
             }
             let n = budget.min(prompt.len() - a.prefilled);
             let end = a.prefilled + n;
-            if end < prompt.len() && matches!(a.sub.req.transfer, Transfer::Export) {
+            if end < prompt.len() && matches!(a.sub.req.transfer, Transfer::Export { .. }) {
                 progressed.push(i);
             }
             batch.push(StepInput {
@@ -472,7 +491,9 @@ impl<R: ModelRunner> Engine<R> {
         for (i, reason, text) in finished {
             let a = self.running.swap_remove(i);
             let export = match (&a.sub.req.transfer, reason) {
-                (Transfer::Export, Some(_)) => Some(self.runner.export_kv(a.seq)),
+                (Transfer::Export { from }, Some(_)) => {
+                    Some(self.runner.export_kv_from(a.seq, *from))
+                }
                 _ => None,
             };
             self.runner.free(a.seq);

@@ -55,7 +55,7 @@ fn collect(mut rx: tmpsc::Receiver<GenEvent>) -> Collected {
                 assert!(c.done.is_none(), "the export comes before Done");
                 c.exported = Some(p);
             }
-            GenEvent::KvReserved => {}
+            GenEvent::KvReserved { .. } => {}
             GenEvent::Progress { prefilled, total } => c.progress.push((prefilled, total)),
         }
     }
@@ -346,7 +346,7 @@ fn export_then_import_continues_exactly_like_one_engine() {
     let (r, prefill_st) = fake(1000);
     let (prefill, _) = start(r, SchedulerConfig::default());
     let mut pre = req(prompt.clone(), 1);
-    pre.transfer = Transfer::Export;
+    pre.transfer = Transfer::Export { from: 0 };
     let p = collect(prefill.submit(pre).unwrap());
     let payload = p.exported.expect("KV exported");
     assert_eq!(payload.len(), prompt.len() * 4, "exactly the prompt's KV");
@@ -539,7 +539,7 @@ fn an_export_reports_progress_per_prompt_chunk_and_nothing_else_does() {
     let (h, _) = start(r, cfg);
     let prompt: Vec<u32> = (2..12).collect(); // 10 tokens: chunks of 4, 4, 2
     let mut pre = req(prompt.clone(), 1);
-    pre.transfer = Transfer::Export;
+    pre.transfer = Transfer::Export { from: 0 };
     let c = collect(h.submit(pre).unwrap());
     assert_eq!(
         c.progress,
@@ -652,4 +652,22 @@ fn replay(evs: Vec<GenEvent>) -> tmpsc::Receiver<GenEvent> {
         tx.try_send(ev).unwrap();
     }
     rx
+}
+
+/// A prefill asked to export from a token that is not a whole number of blocks within the
+/// prompt (the decode's cached prefix) refuses the request at once, naming it.
+#[test]
+fn an_export_from_a_misaligned_or_too_long_prefix_is_refused() {
+    let (r, st) = fake(1000);
+    let (h, metrics) = start(r, SchedulerConfig::default());
+    for (len, from) in [(9, 3), (8, 8), (8, 12)] {
+        let mut pre = req((2..2 + len).collect(), 1);
+        pre.transfer = Transfer::Export { from };
+        let c = collect(h.submit(pre).unwrap());
+        let (reason, msg) = c.failed.expect("refused");
+        assert_eq!(reason, FailReason::InvalidRequest);
+        assert!(msg.contains(&format!("from token {from}")), "{msg}");
+    }
+    assert_eq!(counter(&metrics, "invalid_request"), 3);
+    assert!(st.lock().unwrap().log.is_empty(), "nothing ran");
 }

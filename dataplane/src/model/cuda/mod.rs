@@ -188,4 +188,12 @@ impl ModelRunner for CudaModelRunner {
     fn import_kv(&mut self, seq: SeqId, payload: &[u8]) -> Result<()> {
         self.model.import_kv(seq, payload)
     }
+
+    fn export_kv_from(&self, seq: SeqId, start: usize) -> Result<Vec<u8>> {
+        self.model.export_kv_from(seq, start)
+    }
+
+    fn import_kv_after(&mut self, seq: SeqId, prefix: usize, payload: &[u8]) -> Result<()> {
+        self.model.import_kv_after(seq, prefix, payload)
+    }
 }
