@@ -820,4 +820,15 @@ mod tests {
             "the error lists the valid values: {err}"
         );
     }
+
+    #[test]
+    fn the_prefix_cache_is_on_unless_turned_off() {
+        let parse = |args: &[&str]| {
+            let mut v = vec!["x", "--model", "m.gguf"];
+            v.extend_from_slice(args);
+            Config::try_parse_from(v).unwrap().no_prefix_cache
+        };
+        assert!(!parse(&[]));
+        assert!(parse(&["--no-prefix-cache"]));
+    }
 }
