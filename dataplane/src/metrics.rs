@@ -281,8 +281,69 @@ impl KvMetrics {
     }
 }
 
+/// Prefix-cache metrics, published from the runner's cumulative counters by the engine.
+pub struct PrefixCacheMetrics {
+    /// Prompt tokens of requests that looked for a cached prefix.
+    pub lookup_tokens: Counter,
+    /// Prompt tokens found in the cache (hit rate = hit / lookup).
+    pub hit_tokens: Counter,
+    pub evictions: Counter,
+    pub cached_blocks: Gauge,
+}
+
+impl PrefixCacheMetrics {
+    fn register(r: &mut Registry) -> Self {
+        let m = Self {
+            lookup_tokens: Counter::default(),
+            hit_tokens: Counter::default(),
+            evictions: Counter::default(),
+            cached_blocks: Gauge::default(),
+        };
+        r.register(
+            "prefix_cache_lookup_tokens",
+            "Prompt tokens of requests that looked for a cached prefix",
+            m.lookup_tokens.clone(),
+        );
+        r.register(
+            "prefix_cache_hit_tokens",
+            "Prompt tokens whose KV came from the prefix cache (hit rate: hit / lookup)",
+            m.hit_tokens.clone(),
+        );
+        r.register(
+            "prefix_cache_evictions",
+            "Idle prefix-cache blocks evicted for new blocks",
+            m.evictions.clone(),
+        );
+        r.register(
+            "prefix_cache_blocks",
+            "KV blocks held by the prefix cache, in use or idle (idle ones count as free)",
+            m.cached_blocks.clone(),
+        );
+        m
+    }
+
+    /// Bring the counters up to the runner's cumulative `kv.prefix` (`seen`: what was
+    /// published before) and the gauge to its cached blocks.
+    pub fn publish(
+        &self,
+        seen: &mut crate::engine_api::PrefixCacheCounters,
+        kv: &crate::engine_api::KvUsage,
+    ) {
+        let now = kv.prefix;
+        self.lookup_tokens
+            .inc_by(now.lookup_tokens.saturating_sub(seen.lookup_tokens));
+        self.hit_tokens
+            .inc_by(now.hit_tokens.saturating_sub(seen.hit_tokens));
+        self.evictions
+            .inc_by(now.evictions.saturating_sub(seen.evictions));
+        self.cached_blocks.set(kv.blocks_cached as i64);
+        *seen = now;
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
+    pub prefix_cache: PrefixCacheMetrics,
     pub kv: KvMetrics,
     pub requests: Family<RequestLabels, Counter>,
     /// Every failed or aborted generation, by reason (queue_timeout, client_disconnected...).
@@ -373,10 +434,11 @@ impl Metrics {
         );
         registry.register(
             "kv_blocks_free",
-            "KV cache blocks free",
+            "KV cache blocks free (idle prefix-cache blocks included)",
             kv_blocks_free.clone(),
         );
         let kv = KvMetrics::register(&mut registry);
+        let prefix_cache = PrefixCacheMetrics::register(&mut registry);
         for reason in [
             "queue_full",
             "queue_timeout",
@@ -406,6 +468,7 @@ impl Metrics {
         }
         Self {
             registry,
+            prefix_cache,
             kv,
             requests,
             failures,

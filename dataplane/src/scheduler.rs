@@ -64,11 +64,14 @@ pub struct GenerateRequest {
 pub enum Transfer {
     #[default]
     None,
-    /// Prefill role: after the last sampled token, export the sequence's KV
-    /// (`GenEvent::KvExported`) before it is freed.
-    Export,
+    /// Prefill role: after the last sampled token, export the sequence's KV from token
+    /// `from` on (`GenEvent::KvExported`) before it is freed. `from` is the prefix the
+    /// decode holds in its own prefix cache: a whole number of KV blocks, less than the
+    /// prompt (0: all of it).
+    Export { from: usize },
     /// Decode role: the prompt's KV is computed elsewhere. The engine first reserves the
-    /// whole sequence's blocks (`GenEvent::KvReserved`), then waits for the KV on the
+    /// whole sequence's blocks, starting with the longest prefix of the prompt in its
+    /// prefix cache (`GenEvent::KvReserved`), then waits for the KV on the
     /// slot's channel, imports it and continues from the first token the prefill sampled.
     /// The reservation is freed only once the channel's sender is dropped without KV (the
     /// room ended, after ABORT_ACK when aborted).
@@ -153,6 +156,8 @@ impl FinishReason {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 /// Why a generation failed; `label()` is the metrics reason label.
@@ -202,10 +207,15 @@ pub enum GenEvent {
         reason: FailReason,
         message: String,
     },
-    /// `Transfer::Export` only: the sequence's KV, sent just before `Done`.
+    /// `Transfer::Export` only: the sequence's KV (from the `Export`'s `from`), sent just
+    /// before `Done`.
     KvExported(Vec<u8>),
     /// `Transfer::Import` only: the sequence's KV blocks are reserved; the KV may come.
-    KvReserved,
+    /// The first `cached` prompt tokens are in the prefix cache already: only the KV of
+    /// the rest is needed.
+    KvReserved {
+        cached: usize,
+    },
     /// `Transfer::Export` only: a chunk of the prompt was prefilled (`prefilled` of
     /// `total` tokens); the KV transfer layer turns this into keep-alives for the peer.
     Progress {
@@ -272,7 +282,7 @@ impl EngineHandle {
         // event per prompt chunk: at most one per prompt token), so the engine's sends never
         // fail for lack of space however slowly the receiver reads.
         let progress = match req.transfer {
-            Transfer::Export => req.prompt.len(),
+            Transfer::Export { .. } => req.prompt.len(),
             _ => 0,
         };
         let (out, rx) = tmpsc::channel(req.max_tokens + 3 + progress);

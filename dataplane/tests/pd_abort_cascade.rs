@@ -23,11 +23,11 @@ const STARTED_BEFORE_KILL: usize = 4;
 /// whatever arrives and prints how many streams have started, until it is killed.
 const CLIENT: &str = r#"
 import json, select, socket, sys
-host, port, n, max_tokens, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+host, port, n, max_tokens, model, rnd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
 socks = []
 for i in range(n):
     body = json.dumps({"model": model, "stream": True, "temperature": 0, "max_tokens": max_tokens,
-                       "messages": [{"role": "user", "content": "Session %d: tell me a long story about dragons and castles." % i}]}).encode()
+                       "messages": [{"role": "user", "content": "Round %s, session %d: tell me a long story about dragons and castles." % (rnd, i)}]}).encode()
     s = socket.create_connection((host, port))
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     socks.append(s)
@@ -66,13 +66,16 @@ fn aborted(s: &Server) -> f64 {
 }
 
 /// Run the client until `STARTED_BEFORE_KILL` streams are going, SIGKILL it; the number
-/// of streams that had started.
-fn cascade(decode: &Server) -> usize {
+/// of streams that had started. The prompts name the round: a round repeating the last
+/// one's prompts would find them in the prefix caches, and the prefill would be done with
+/// every room before the kill.
+fn cascade(decode: &Server, round: usize) -> usize {
     let port = decode.addr.port().to_string();
     let mut child = Command::new(python())
         .args(["-c", CLIENT, "127.0.0.1", &port])
         .args([SESSIONS.to_string(), MAX_TOKENS.to_string()])
         .arg(MODEL_NAME)
+        .arg(round.to_string())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -124,7 +127,7 @@ fn three_sigkilled_clients_in_a_row_leave_no_room_block_or_loop_behind() {
     for round in 1..=3 {
         let (opened_before, _) = room_balance(&decode);
         let aborted_before = (aborted(&decode), aborted(&prefill));
-        let started = cascade(&decode);
+        let started = cascade(&decode, round);
         let killed_at = Instant::now();
         assert!(started >= STARTED_BEFORE_KILL);
 

@@ -49,6 +49,9 @@ fn start(budget_mib: &str, env: &[(&str, &str)]) -> Run {
             // touched, so RSS growth is what the rooms' KV in flight pins, nothing else.
             "--max-batch",
             "1",
+            // Without the prefix cache: it would keep each room's prompt blocks and hand
+            // the next room untouched pool pages, growing RSS by the pool, not the sends.
+            "--no-prefix-cache",
         ],
         env,
     );

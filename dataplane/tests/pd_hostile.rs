@@ -23,6 +23,7 @@ fn identity() -> LocalIdentity {
             n_blocks: 1,
             ..KvCacheConfig::default()
         },
+        ..RunnerConfig::default()
     };
     let r = CpuModelRunner::new(g, rc, tandem_kernels::best_backend()).unwrap();
     let info = r.info();

@@ -123,6 +123,99 @@ fn pd_greedy_output_equals_colocated_token_for_token() {
     assert_eq!(prefill.metric("tandem_kv_blocks_used "), 0.0);
 }
 
+/// A chat with a long shared system prompt: (content, logprobs, prompt tokens, cached tokens).
+fn chat_with_system(s: &Server, system: &str, question: &str) -> (String, Value, u64, u64) {
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL_NAME, "max_tokens": 8, "temperature": 0,
+                "logprobs": true, "top_logprobs": 2,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": question}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let u = &v["usage"];
+    (
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_owned(),
+        v["choices"][0]["logprobs"].clone(),
+        u["prompt_tokens"].as_u64().unwrap(),
+        u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+    )
+}
+
+/// PD with the prefix cache: the decode finds a shared system prompt in its own cache,
+/// tells the prefill, and receives only the KV of the rest; the answers stay those of
+/// `--role both`, and KV bytes per request drop by exactly the cached share.
+#[test]
+fn pd_prefix_cache_moves_only_the_uncached_suffix() {
+    let env = pd_env(&[]);
+    let kv = free_port();
+    let prefill = start_prefill(kv, &env);
+    let decode = start_decode(&[kv], &env, true);
+    let both = Server::start(&[]);
+    let system = "You are a meticulous assistant for a library. ".repeat(25);
+    let received = || decode.metric("tandem_kv_transfer_bytes_total{direction=\"received\"} ");
+    let mut rows = Vec::new(); // (prompt tokens, cached tokens, KV bytes received)
+    for q in [
+        "Which shelf holds the atlases?",
+        "When does the reading room open?",
+        "Which shelf holds the atlases?",
+    ] {
+        let before = received();
+        let (text, lps, prompt, cached) = chat_with_system(&decode, &system, q);
+        let bytes = received() - before;
+        let (text0, lps0, prompt0, _) = chat_with_system(&both, &system, q);
+        assert_eq!((&text, prompt), (&text0, prompt0), "{q}");
+        let lp = |v: &Value| -> Vec<(String, f64)> {
+            v["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| {
+                    (
+                        t["token"].as_str().unwrap().to_owned(),
+                        t["logprob"].as_f64().unwrap(),
+                    )
+                })
+                .collect()
+        };
+        for (a, b) in lp(&lps).iter().zip(lp(&lps0)) {
+            assert!(
+                a.0 == b.0 && (a.1 - b.1).abs() < 1e-3,
+                "{q}: {a:?} vs {b:?}"
+            );
+        }
+        rows.push((prompt as f64, cached as f64, bytes));
+    }
+    for (prompt, cached, bytes) in &rows {
+        eprintln!(
+            "PD prefix cache: {prompt} prompt tokens, {cached} cached on the decode, {bytes} KV bytes received"
+        );
+    }
+    assert_eq!(rows[0].1, 0.0, "{rows:?}");
+    assert!(rows[1].1 >= 192.0 && rows[2].1 > rows[1].1, "{rows:?}");
+    // The KV export is a 32-byte header and the same bytes per token: the cached tokens'
+    // share did not cross the wire.
+    let per_token = (rows[0].2 - 32.0) / rows[0].0;
+    for (prompt, cached, bytes) in &rows {
+        assert_eq!(*bytes, 32.0 + per_token * (prompt - cached), "{rows:?}");
+    }
+    assert!(rows[1].2 < rows[0].2 / 4.0, "{rows:?}");
+    // The prefill computed from its own cache too.
+    assert!(prefill.metric("tandem_prefix_cache_hit_tokens_total ") >= rows[1].1);
+    assert_eq!(
+        decode.metric("tandem_prefix_cache_hit_tokens_total "),
+        rows[1].1 + rows[2].1
+    );
+    assert_eq!(decode.metric("tandem_kv_blocks_used "), 0.0);
+    assert_eq!(prefill.metric("tandem_kv_blocks_used "), 0.0);
+}
+
 #[test]
 fn decode_restart_against_a_long_running_prefill() {
     let env = pd_env(&[]);

@@ -70,7 +70,12 @@ fn chat_completion_json_and_sse_and_bad_requests() {
         last["choices"][0]["finish_reason"],
         v["choices"][0]["finish_reason"]
     );
-    assert_eq!(last["usage"], v["usage"]);
+    for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(last["usage"][k], v["usage"][k], "{k}");
+    }
+    // The second request of the same prompt reused the first's whole KV blocks.
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert!(last["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0));
 
     // Bad requests: 400 with an OpenAI error body; unknown path 404.
     let bad = [
@@ -188,6 +193,82 @@ fn concurrent_equals_sequential(extra: &[&str], fields: &Value) -> (Server, Vec<
         "different prompts should give different outputs"
     );
     (s, sequential)
+}
+
+/// A chat with a long shared system prompt: greedy content and the logprob of each token.
+fn chat_with_system(s: &Server, system: &str, question: &str) -> (String, Value, u64, u64) {
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({
+            "model": MODEL_NAME,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": true,
+            "top_logprobs": 3,
+        }),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let u = &v["usage"];
+    (
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_owned(),
+        v["choices"][0]["logprobs"].clone(),
+        u["prompt_tokens"].as_u64().unwrap(),
+        u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+    )
+}
+
+/// Requests sharing a ~230-token system prompt: after the first, each reports the prefix
+/// as cached (`usage.prompt_tokens_details.cached_tokens`) and answers exactly as a
+/// server without the prefix cache does: the same text and the same logprobs.
+#[test]
+fn a_shared_system_prompt_is_served_from_the_prefix_cache_with_identical_outputs() {
+    let system = "You are a meticulous assistant for a library. ".repeat(25);
+    let questions = [
+        "Which shelf holds the atlases?",
+        "When does the reading room open?",
+        "Which shelf holds the atlases?",
+    ];
+    let cached = Server::start(&[]);
+    let plain = Server::start(&["--no-prefix-cache"]);
+    let mut hits = Vec::new();
+    for q in questions {
+        let (text, lps, prompt, hit) = chat_with_system(&cached, &system, q);
+        let (text0, lps0, prompt0, hit0) = chat_with_system(&plain, &system, q);
+        assert_eq!((&text, &lps, prompt), (&text0, &lps0, prompt0), "{q}");
+        assert_eq!(hit0, 0, "--no-prefix-cache reuses nothing");
+        assert!(prompt > 200 && !text.is_empty(), "{prompt} {text:?}");
+        hits.push((hit, prompt));
+    }
+    assert_eq!(hits[0].0, 0, "the first request finds nothing");
+    // Whole 16-token blocks of the system prompt (and the question, when it repeats).
+    assert!(hits[1].0 >= 192 && hits[1].0 % 16 == 0, "{hits:?}");
+    assert!(hits[2].0 > hits[1].0 && hits[2].0 < hits[2].1, "{hits:?}");
+    let hit_tokens = cached.metric("tandem_prefix_cache_hit_tokens_total ");
+    assert_eq!(hit_tokens, (hits[1].0 + hits[2].0) as f64);
+    let looked_up = cached.metric("tandem_prefix_cache_lookup_tokens_total ");
+    assert_eq!(looked_up, hits.iter().map(|h| h.1).sum::<u64>() as f64);
+    assert!(cached.metric("tandem_prefix_cache_blocks ") >= 16.0);
+    assert_eq!(cached.metric("tandem_prefix_cache_evictions_total "), 0.0);
+    assert_eq!(
+        cached.metric("tandem_kv_blocks_used "),
+        0.0,
+        "idle cached blocks are free"
+    );
+    assert_eq!(
+        plain.metric("tandem_prefix_cache_lookup_tokens_total "),
+        0.0
+    );
+    assert_eq!(plain.metric("tandem_prefix_cache_blocks "), 0.0);
 }
 
 #[test]

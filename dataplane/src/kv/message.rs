@@ -146,6 +146,9 @@ pub struct PrefillRequest {
     pub min_tokens: u32,
     /// At most [`MAX_MASKED`] ids.
     pub min_tokens_masked: Vec<u32>,
+    /// Leading prompt tokens whose KV the decode holds already (its prefix cache; whole
+    /// KV blocks, fewer than `tokens`): their KV is not sent.
+    pub cached_tokens: u32,
 }
 
 /// Neutral sampling: temperature 1, no cuts, no penalties, no masking, no prompt.
@@ -163,6 +166,7 @@ impl Default for PrefillRequest {
             presence_penalty: 0.0,
             min_tokens: 0,
             min_tokens_masked: Vec::new(),
+            cached_tokens: 0,
         }
     }
 }
@@ -461,6 +465,7 @@ fn encode_payload(m: &Message) -> Vec<u8> {
             for &t in &p.min_tokens_masked {
                 w.u32(t);
             }
+            w.u32(p.cached_tokens);
         }
         Message::KvChunk(c) => {
             chunk_prefix(&mut w, &c.into());
@@ -715,6 +720,12 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
             }
             r.check_count(m, 4)?;
             let min_tokens_masked = (0..m).map(|_| r.u32()).collect::<Result<Vec<_>, _>>()?;
+            let cached_tokens = r.u32()?;
+            if cached_tokens as usize >= n {
+                return Err(DecodeError::BadValue(format!(
+                    "{cached_tokens} cached tokens of a {n}-token prompt"
+                )));
+            }
             Message::Prefill(PrefillRequest {
                 tokens,
                 temperature,
@@ -727,6 +738,7 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
                 presence_penalty,
                 min_tokens,
                 min_tokens_masked,
+                cached_tokens,
             })
         }
         MsgType::KvChunk => {

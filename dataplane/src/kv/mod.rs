@@ -33,7 +33,7 @@
 //! | 3    | AUTH      | 0    | mac [u8; 32]                                              |
 //! | 4    | ACCEPTED  | 0    | (empty)                                                   |
 //! | 5    | REJECT    | 0    | u8 reason code, text str16                                |
-//! | 6    | PREFILL   | ≠0   | u32 n, n × u32 token ids, f32 temperature, u32 top_k, f32 top_p, u8 has_seed, u64 seed, u8 has_logprobs, u32 logprobs, f32 repetition penalty, f32 frequency penalty, f32 presence penalty, u32 min_tokens, u32 m, m × u32 token ids masked until min_tokens |
+//! | 6    | PREFILL   | ≠0   | u32 n, n × u32 token ids, f32 temperature, u32 top_k, f32 top_p, u8 has_seed, u64 seed, u8 has_logprobs, u32 logprobs, f32 repetition penalty, f32 frequency penalty, f32 presence penalty, u32 min_tokens, u32 m, m × u32 token ids masked until min_tokens, u32 cached (< n; see below) |
 //! | 7    | KV_CHUNK  | ≠0   | u32 index, u32 count, u16 first layer, u16 end layer, u64 offset, u64 total, u32 CRC-32C of the data, u32 n, n bytes |
 //! | 8    | DONE      | ≠0   | u32 first token, u32 prompt tokens, u8 has_logprob, [f32 logprob, u8 k, k × (u32 token, f32 logprob)] |
 //! | 9    | FAILED    | ≠0   | u8 reason code, text str16                                |
@@ -66,6 +66,16 @@
 //!   `peer_shutdown`; rooms in flight still finish, and those left at the prefill's drain
 //!   deadline fail with FAILED(`shutdown`), which the decode counts as `peer_shutdown`. A
 //!   decode sends it when it stops: the prefill drops the session and its rooms at once.
+//!
+//! # Prefix caching (version 4)
+//!
+//! PREFILL's `cached` is the number of leading prompt tokens whose KV the decode already
+//! holds in its prefix cache: a whole number of KV blocks, less than the prompt. The
+//! prefill still runs the whole prompt (from its own prefix cache where it can) and sends
+//! the KV of tokens `cached..n` only; the KV_CHUNKs carry that suffix in the usual export
+//! layout (its header counts the suffix's tokens), and DONE's prompt tokens stay `n`. The
+//! decode stitches its cached blocks and the received suffix into one sequence. A
+//! `cached` the prefill cannot honour (not a whole number of its blocks) fails the room.
 //!
 //! A KV_CHUNK payload is its 36-byte prefix ([`CHUNK_PREFIX`]) then the data. The sender
 //! builds that frame once, straight from the exported KV, and hands the buffer to ZeroMQ
@@ -103,8 +113,8 @@ pub use message::{
 /// Wire protocol version; bumped on any incompatible change of a payload (2: the chunk
 /// checksum is CRC-32C instead of the IEEE CRC-32; 3: PROGRESS, CREDIT and GOODBYE, REJECT
 /// reasons `shutting_down` and `peer_expired`, FAILED codes `peer_shutdown` and
-/// `send_budget`; 4: PREFILL carries the penalties and the `min_tokens` masking). A peer
-/// of another version is refused in the handshake with the reason.
+/// `send_budget`; 4: PREFILL carries the penalties, the `min_tokens` masking and the `cached`
+/// prefix, whose KV is not sent). A peer of another version is refused in the handshake with the reason.
 pub const PROTOCOL_VERSION: u16 = 4;
 pub const MAGIC: &[u8; 4] = b"TKVP";
 pub const HEADER_LEN: usize = 36;

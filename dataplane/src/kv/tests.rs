@@ -63,9 +63,11 @@ fn message() -> impl Strategy<Value = Message> {
             any::<Option<u32>>(),
             (0.01f32..10.0, finite(), finite(), any::<u32>()),
             prop::collection::vec(any::<u32>(), 0..8),
+            any::<u32>(),
         )
             .prop_map(
-                |(tokens, temperature, top_k, top_p, seed, logprobs, pen, masked)| {
+                |(tokens, temperature, top_k, top_p, seed, logprobs, pen, masked, c)| {
+                    let cached_tokens = c % tokens.len() as u32;
                     Message::Prefill(PrefillRequest {
                         tokens,
                         temperature,
@@ -78,6 +80,7 @@ fn message() -> impl Strategy<Value = Message> {
                         presence_penalty: pen.2,
                         min_tokens: pen.3,
                         min_tokens_masked: masked,
+                        cached_tokens,
                     })
                 }
             ),

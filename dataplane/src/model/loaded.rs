@@ -20,9 +20,21 @@ use crate::engine_api::{KvUsage, ModelInfo, SeqId, StepInput};
 use crate::error::{Context, Error, Result};
 use crate::gguf::Gguf;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RunnerConfig {
     pub kv: KvCacheConfig,
+    /// Keep whole prompt blocks cached for later prompts that start alike
+    /// (`prefix_cache`); on by default.
+    pub prefix_cache: bool,
+}
+
+impl Default for RunnerConfig {
+    fn default() -> Self {
+        Self {
+            kv: KvCacheConfig::default(),
+            prefix_cache: true,
+        }
+    }
 }
 
 impl RunnerConfig {
@@ -35,6 +47,7 @@ impl RunnerConfig {
                 n_blocks: tokens.div_ceil(block_tokens).max(1),
                 dtype,
             },
+            ..Self::default()
         }
     }
 }
@@ -91,7 +104,11 @@ impl<B: Backend> LoadedModel<B> {
         Ok(Self {
             info: ModelInfo::from_gguf(&g, &cfg, rc.kv.block_tokens),
             kv_cfg: rc.kv,
-            blocks: BlockAllocator::new(rc.kv.block_tokens, rc.kv.n_blocks),
+            blocks: BlockAllocator::with_prefix_cache(
+                rc.kv.block_tokens,
+                rc.kv.n_blocks,
+                rc.prefix_cache,
+            ),
             weights,
             kv,
             acts,
@@ -260,14 +277,32 @@ impl<B: Backend> LoadedModel<B> {
         Ok(split_logits(batch, &logits, self.config().vocab_size))
     }
 
-    pub fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<()> {
+    fn check_context(&self, total_tokens: usize) -> Result<()> {
         let ctx = self.config().context_length;
         if total_tokens > ctx {
             return Err(Error::InvalidInput(format!(
                 "{total_tokens} tokens exceed the context length {ctx}"
             )));
         }
+        Ok(())
+    }
+
+    pub fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<()> {
+        self.check_context(total_tokens)?;
         self.blocks.reserve(seq, total_tokens)
+    }
+
+    /// [`crate::engine_api::ModelRunner::reserve_prompt`]: the block bookkeeping only (a
+    /// shared block is read by the same attention kernels as any other block), so every
+    /// backend has it.
+    pub fn reserve_prompt(
+        &mut self,
+        seq: SeqId,
+        prompt: &[u32],
+        total_tokens: usize,
+    ) -> Result<usize> {
+        self.check_context(total_tokens.max(prompt.len()))?;
+        self.blocks.reserve_prompt(seq, prompt, total_tokens)
     }
 
     pub fn seq_len(&self, seq: SeqId) -> usize {
@@ -300,44 +335,77 @@ impl<B: Backend> LoadedModel<B> {
 
     /// `seq`'s KV in the transfer layout (see `kv_transfer`).
     pub fn export_kv(&self, seq: SeqId) -> Result<Vec<u8>> {
+        self.export_kv_from(seq, 0)
+    }
+
+    /// The KV of `seq`'s tokens from `start` on (a whole number of blocks: the prefix a
+    /// decode holds already), in the transfer layout; its header counts those tokens.
+    pub fn export_kv_from(&self, seq: SeqId, start: usize) -> Result<Vec<u8>> {
         if !self.blocks.contains(seq) {
             return Err(Error::InvalidInput(format!("export of unknown {seq:?}")));
         }
-        let n = self.blocks.len(seq);
+        let len = self.blocks.len(seq);
+        let bt = self.blocks.block_tokens();
+        if !start.is_multiple_of(bt) || start > len {
+            return Err(Error::InvalidInput(format!(
+                "export of {seq:?} from token {start}: not a block boundary within its {len} tokens"
+            )));
+        }
+        let n = len - start;
         let body = self.config().n_layers * 2 * n * self.kv_row_bytes()?;
         let mut out = Vec::with_capacity(KvHeader::LEN + body);
         self.kv_header(n).write(&mut out);
-        self.backend
-            .kv_gather(&self.kv, self.blocks.table(seq), n, &mut out)?;
+        let table = &self.blocks.table(seq)[start / bt..];
+        self.backend.kv_gather(&self.kv, table, n, &mut out)?;
         Ok(out)
     }
 
     /// Create `seq` (which must hold no tokens) from an export of a runner with the same
     /// model and KV layout; fails without side effects on a mismatched payload.
     pub fn import_kv(&mut self, seq: SeqId, payload: &[u8]) -> Result<()> {
+        self.import_kv_after(seq, 0, payload)
+    }
+
+    /// Append an export to `seq`, which must hold exactly `prefix` tokens, a whole number
+    /// of blocks (0, or the cached prefix [`Self::reserve_prompt`] found): the KV of the
+    /// rest of its prompt (all of it, for a sequence made by `reserve_prompt`), exported
+    /// from `prefix` on. Fails without side effects on a mismatched payload.
+    pub fn import_kv_after(&mut self, seq: SeqId, prefix: usize, payload: &[u8]) -> Result<()> {
         let header = KvHeader::parse(payload)?;
         let n = header.check(
             &self.kv_header(0),
             self.kv_row_bytes()?,
             payload.len(),
-            self.config().context_length,
+            self.config().context_length.saturating_sub(prefix),
         )?;
-        if self.blocks.len(seq) != 0 {
-            return Err(Error::KvTransfer(format!("{seq:?} already holds tokens")));
+        let bt = self.blocks.block_tokens();
+        let held = self.blocks.len(seq);
+        if held != prefix || !prefix.is_multiple_of(bt) {
+            return Err(Error::KvTransfer(format!(
+                "{seq:?} holds {held} tokens; KV can only follow a prefix of whole blocks \
+                 ({prefix} expected)"
+            )));
+        }
+        // A sequence made for a prompt caches its blocks from the prompt's tokens: KV of
+        // another length would put wrong rows under their keys.
+        if let Some(want) = self.blocks.prompt_len(seq)
+            && prefix + n != want
+        {
+            return Err(Error::KvTransfer(format!(
+                "{n} tokens of KV after {prefix} for {seq:?}, whose prompt has {want}"
+            )));
         }
         let existed = self.blocks.contains(seq);
-        self.blocks.reserve(seq, n)?;
+        self.blocks.reserve(seq, prefix + n)?;
         let body = &payload[KvHeader::LEN..];
-        if let Err(e) = self
-            .backend
-            .kv_scatter(&mut self.kv, self.blocks.table(seq), n, body)
-        {
+        let table = &self.blocks.table(seq)[prefix / bt..];
+        if let Err(e) = self.backend.kv_scatter(&mut self.kv, table, n, body) {
             if !existed {
                 self.blocks.release(seq);
             }
             return Err(e.into());
         }
-        self.blocks.set_len(seq, n);
+        self.blocks.set_len(seq, prefix + n);
         Ok(())
     }
 }

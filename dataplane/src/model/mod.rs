@@ -11,10 +11,13 @@ mod info;
 pub mod kv_cache;
 mod kv_transfer;
 mod loaded;
+pub mod prefix_cache;
 mod runner;
 pub mod synthetic;
 mod weights;
 
+#[cfg(test)]
+mod prefix_tests;
 #[cfg(test)]
 mod tests;
 

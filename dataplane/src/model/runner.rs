@@ -84,6 +84,10 @@ impl ModelRunner for CpuModelRunner {
         self.model.reserve(seq, total_tokens)
     }
 
+    fn reserve_prompt(&mut self, seq: SeqId, prompt: &[u32], total_tokens: usize) -> Result<usize> {
+        self.model.reserve_prompt(seq, prompt, total_tokens)
+    }
+
     fn step(&mut self, batch: &[StepInput]) -> Result<Vec<Option<Vec<f32>>>> {
         let vocab = self.model.config().vocab_size;
         let logits = self.forward_step(batch)?;
@@ -133,5 +137,13 @@ impl ModelRunner for CpuModelRunner {
 
     fn import_kv(&mut self, seq: SeqId, payload: &[u8]) -> Result<()> {
         self.model.import_kv(seq, payload)
+    }
+
+    fn export_kv_from(&self, seq: SeqId, start: usize) -> Result<Vec<u8>> {
+        self.model.export_kv_from(seq, start)
+    }
+
+    fn import_kv_after(&mut self, seq: SeqId, prefix: usize, payload: &[u8]) -> Result<()> {
+        self.model.import_kv_after(seq, prefix, payload)
     }
 }

@@ -303,7 +303,8 @@ fn kv_accounting_and_input_validation() {
         r.kv_usage(),
         crate::engine_api::KvUsage {
             blocks_total: 4,
-            blocks_used: 0
+            blocks_used: 0,
+            ..Default::default()
         }
     );
     r.reserve(SeqId(1), 20).unwrap();

@@ -242,11 +242,13 @@ impl DecodeHandle {
     }
 
     /// Run `prompt` on the least-loaded healthy prefill and wait until its KV went to
-    /// `kv` (the engine's reserved sequence). Dropping the returned future (client gone)
-    /// aborts the room on both sides; the room holds `kv` until it has ended.
+    /// `kv` (the engine's reserved sequence, which holds the first `cached` tokens from
+    /// its prefix cache already: only the rest's KV is sent). Dropping the returned future
+    /// (client gone) aborts the room on both sides; the room holds `kv` until it has ended.
     pub async fn prefill(
         &self,
         prompt: &[u32],
+        cached: usize,
         sampling: &SamplingParams,
         kv: tmpsc::Sender<ImportedKv>,
     ) -> Result<(), RoomFailure> {
@@ -278,6 +280,7 @@ impl DecodeHandle {
             presence_penalty: sampling.presence_penalty,
             min_tokens: sampling.min_tokens.min(u32::MAX as usize) as u32,
             min_tokens_masked: sampling.min_tokens_masked.clone(),
+            cached_tokens: cached as u32,
         };
         let cmd = Command::Open {
             room: random_id(),

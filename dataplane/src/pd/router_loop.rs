@@ -538,7 +538,9 @@ impl RouterLoop {
             },
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
-            transfer: Transfer::Export,
+            transfer: Transfer::Export {
+                from: req.cached_tokens as usize,
+            },
         };
         let rx = match self.engine.submit(request) {
             Ok(rx) => rx,
@@ -572,7 +574,7 @@ impl RouterLoop {
                     Ok(GenEvent::Progress { prefilled, .. }) => {
                         r.data.done_tokens = prefilled.min(u32::MAX as usize) as u32;
                     }
-                    Ok(GenEvent::KvReserved) => {}
+                    Ok(GenEvent::KvReserved { .. }) => {}
                     Ok(GenEvent::Done { .. }) => {
                         self.stream_out(id);
                         break;

@@ -14,7 +14,7 @@ use super::{
     Transfer, Usage,
 };
 use crate::Error;
-use crate::engine_api::{ModelRunner, SeqId, StepInput};
+use crate::engine_api::{ModelRunner, PrefixCacheCounters, SeqId, StepInput};
 use crate::metrics::Metrics;
 use crate::sampling::{Sampler, TokenLogprob};
 use crate::stop::StopMatcher;
@@ -28,6 +28,8 @@ struct Active {
     sub: Submission,
     /// Prompt tokens already in the KV cache.
     prefilled: usize,
+    /// Prompt tokens found in the prefix cache (never computed for this request).
+    cached: usize,
     /// Sampled but not yet fed back into the model.
     next_input: Option<u32>,
     generated: usize,
@@ -42,6 +44,8 @@ struct Reserved {
     seq: SeqId,
     sub: Submission,
     kv: tmpsc::Receiver<ImportedKv>,
+    /// Prompt tokens already in the sequence (its cached prefix): the KV follows them.
+    cached: usize,
 }
 
 pub(super) struct Engine<R: ModelRunner> {
@@ -56,6 +60,8 @@ pub(super) struct Engine<R: ModelRunner> {
     reserved: Vec<Reserved>,
     next_seq: u64,
     disconnected: bool,
+    /// The runner's prefix-cache counters as last published.
+    prefix_seen: PrefixCacheCounters,
 }
 
 enum Outcome {
@@ -86,6 +92,7 @@ impl<R: ModelRunner> Engine<R> {
             reserved: Vec::new(),
             next_seq: 1,
             disconnected: false,
+            prefix_seen: PrefixCacheCounters::default(),
         }
     }
 
@@ -169,6 +176,18 @@ impl<R: ModelRunner> Engine<R> {
                     self.runner.kv_usage().blocks_total
                 ),
             ))
+        } else if let Transfer::Export { from } = sub.req.transfer
+            && (!from.is_multiple_of(info.kv_block_size.max(1)) || from >= sub.req.prompt.len())
+        {
+            Err((
+                FailReason::InvalidRequest,
+                format!(
+                    "KV export from token {from}: not a whole number of {}-token blocks \
+                     within the {}-token prompt",
+                    info.kv_block_size,
+                    sub.req.prompt.len()
+                ),
+            ))
         } else if self.waiting.len() >= self.cfg.max_waiting {
             Err((
                 FailReason::QueueFull,
@@ -229,22 +248,20 @@ impl<R: ModelRunner> Engine<R> {
 
     /// Admit waiting requests in FIFO order while the batch has room and KV blocks for the
     /// whole request (prompt + max_tokens) can be reserved up front, so a running request
-    /// never runs out of blocks mid-generation.
+    /// never runs out of blocks mid-generation. A request that computes its prompt here
+    /// starts after the longest prefix of it the runner has cached.
     fn admit(&mut self) {
         while self.running.len() + self.reserved.len() < self.cfg.max_batch {
             let Some(front) = self.waiting.front() else {
                 break;
             };
             let total = front.req.prompt.len() + front.req.max_tokens;
-            let usage = self.runner.kv_usage();
-            if self.blocks_for(total)
-                > usage.blocks_total - usage.blocks_used.min(usage.blocks_total)
-            {
-                break;
-            }
             let seq = SeqId(self.next_seq);
-            match self.runner.reserve(seq, total) {
-                Ok(()) => {}
+            // The runner's reservation is all or nothing, and counts idle cached blocks as
+            // free and the cached prefix as held already.
+            let reserved = self.runner.reserve_prompt(seq, &front.req.prompt, total);
+            let cached = match reserved {
+                Ok(cached) => cached,
                 Err(Error::KvCacheFull { .. }) => break,
                 Err(e) => {
                     let sub = self.waiting.pop_front().expect("front exists");
@@ -256,7 +273,7 @@ impl<R: ModelRunner> Engine<R> {
                     );
                     continue;
                 }
-            }
+            };
             self.next_seq += 1;
             let sub = self.waiting.pop_front().expect("front exists");
             if let Transfer::Import(slot) = &sub.req.transfer {
@@ -270,8 +287,13 @@ impl<R: ModelRunner> Engine<R> {
                     );
                     continue;
                 };
-                let _ = sub.out.try_send(GenEvent::KvReserved);
-                self.reserved.push(Reserved { seq, sub, kv });
+                let _ = sub.out.try_send(GenEvent::KvReserved { cached });
+                self.reserved.push(Reserved {
+                    seq,
+                    sub,
+                    kv,
+                    cached,
+                });
                 continue;
             }
             self.metrics
@@ -282,7 +304,8 @@ impl<R: ModelRunner> Engine<R> {
                 sampler: Sampler::with_prompt(sub.req.sampling.clone(), &sub.req.prompt),
                 stop: StopMatcher::new(sub.req.stop.clone()),
                 sub,
-                prefilled: 0,
+                prefilled: cached,
+                cached,
                 next_input: None,
                 generated: 0,
                 decoder: StreamDecoder::new(),
@@ -304,7 +327,9 @@ impl<R: ModelRunner> Engine<R> {
                 Ok(kv) => Some(kv),
                 Err(KvTryRecvError::Disconnected) => None,
             };
-            let Reserved { seq, sub, .. } = self.reserved.swap_remove(i);
+            let Reserved {
+                seq, sub, cached, ..
+            } = self.reserved.swap_remove(i);
             let Some(kv) = kv else {
                 // The room ended (failed, or aborted and acknowledged): the HTTP request
                 // reports and counts the transfer failure; only the blocks are ours.
@@ -319,7 +344,8 @@ impl<R: ModelRunner> Engine<R> {
                 });
                 continue;
             };
-            if let Err(e) = self.runner.import_kv(seq, (*kv.payload).as_ref()) {
+            let payload = (*kv.payload).as_ref();
+            if let Err(e) = self.runner.import_kv_after(seq, cached, payload) {
                 self.runner.free(seq);
                 self.fail(
                     &sub,
@@ -335,6 +361,7 @@ impl<R: ModelRunner> Engine<R> {
                 sampler,
                 stop: StopMatcher::new(sub.req.stop.clone()),
                 prefilled: sub.req.prompt.len(),
+                cached,
                 sub,
                 next_input: None,
                 generated: 0,
@@ -375,7 +402,7 @@ impl<R: ModelRunner> Engine<R> {
             }
             let n = budget.min(prompt.len() - a.prefilled);
             let end = a.prefilled + n;
-            if end < prompt.len() && matches!(a.sub.req.transfer, Transfer::Export) {
+            if end < prompt.len() && matches!(a.sub.req.transfer, Transfer::Export { .. }) {
                 progressed.push(i);
             }
             batch.push(StepInput {
@@ -464,7 +491,9 @@ impl<R: ModelRunner> Engine<R> {
         for (i, reason, text) in finished {
             let a = self.running.swap_remove(i);
             let export = match (&a.sub.req.transfer, reason) {
-                (Transfer::Export, Some(_)) => Some(self.runner.export_kv(a.seq)),
+                (Transfer::Export { from }, Some(_)) => {
+                    Some(self.runner.export_kv_from(a.seq, *from))
+                }
                 _ => None,
             };
             self.runner.free(a.seq);
@@ -481,6 +510,7 @@ impl<R: ModelRunner> Engine<R> {
                     let usage = Usage {
                         prompt_tokens: a.sub.req.prompt.len(),
                         completion_tokens: a.generated,
+                        cached_tokens: a.cached,
                     };
                     let _ = a.sub.out.try_send(GenEvent::Done {
                         reason,
@@ -571,8 +601,11 @@ impl<R: ModelRunner> Engine<R> {
         }
     }
 
-    fn publish_gauges(&self) {
+    fn publish_gauges(&mut self) {
         let kv = self.runner.kv_usage();
+        self.metrics
+            .prefix_cache
+            .publish(&mut self.prefix_seen, &kv);
         self.metrics.running.set(self.running.len() as i64);
         self.metrics.waiting.set(self.waiting.len() as i64);
         self.metrics.kv_blocks_used.set(kv.blocks_used as i64);

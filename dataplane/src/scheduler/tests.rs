@@ -55,7 +55,7 @@ fn collect(mut rx: tmpsc::Receiver<GenEvent>) -> Collected {
                 assert!(c.done.is_none(), "the export comes before Done");
                 c.exported = Some(p);
             }
-            GenEvent::KvReserved => {}
+            GenEvent::KvReserved { .. } => {}
             GenEvent::Progress { prefilled, total } => c.progress.push((prefilled, total)),
         }
     }
@@ -118,7 +118,8 @@ fn batched_outputs_equal_single_runs() {
                 FinishReason::Length,
                 Usage {
                     prompt_tokens: prompts()[i].len(),
-                    completion_tokens: 12
+                    completion_tokens: 12,
+                    cached_tokens: 0,
                 }
             )
         );
@@ -345,7 +346,7 @@ fn export_then_import_continues_exactly_like_one_engine() {
     let (r, prefill_st) = fake(1000);
     let (prefill, _) = start(r, SchedulerConfig::default());
     let mut pre = req(prompt.clone(), 1);
-    pre.transfer = Transfer::Export;
+    pre.transfer = Transfer::Export { from: 0 };
     let p = collect(prefill.submit(pre).unwrap());
     let payload = p.exported.expect("KV exported");
     assert_eq!(payload.len(), prompt.len() * 4, "exactly the prompt's KV");
@@ -539,7 +540,7 @@ fn an_export_reports_progress_per_prompt_chunk_and_nothing_else_does() {
     let (h, _) = start(r, cfg);
     let prompt: Vec<u32> = (2..12).collect(); // 10 tokens: chunks of 4, 4, 2
     let mut pre = req(prompt.clone(), 1);
-    pre.transfer = Transfer::Export;
+    pre.transfer = Transfer::Export { from: 0 };
     let c = collect(h.submit(pre).unwrap());
     assert_eq!(
         c.progress,
@@ -552,4 +553,122 @@ fn an_export_reports_progress_per_prompt_chunk_and_nothing_else_does() {
     let c = collect(h.submit(req(prompt, 3)).unwrap());
     assert!(c.progress.is_empty(), "{:?}", c.progress);
     assert_eq!(c.ids.len(), 3);
+}
+
+/// Through the engine, on a tiny real model: requests sharing a prefix, arriving at once
+/// into a batch of 3 with 16-token prefill chunks (so some are admitted while others are
+/// mid-prefill or decoding, and reuse what those computed), give the same tokens and
+/// logprob bits with the prefix cache as without it, and report their cached tokens.
+#[test]
+fn prefix_cached_requests_through_the_engine_equal_uncached_ones() {
+    use crate::gguf::Gguf;
+    use crate::model::synthetic::TinyLlama;
+    use crate::model::{CpuModelRunner, RunnerConfig};
+    use crate::test_support::fake_runner::letters_for;
+
+    let g = Arc::new(Gguf::from_bytes(TinyLlama::default().to_bytes()).unwrap());
+    let prefix: Vec<u32> = (0..50u32).map(|i| (i * 37 + 11) % 96).collect();
+    let prompts: Vec<Vec<u32>> = (0..7u32)
+        .map(|k| {
+            let mut p = prefix[..(20 + 5 * k as usize).min(50)].to_vec();
+            p.extend((0..=k).map(|i| (i * 13 + k) % 96));
+            p
+        })
+        .collect();
+    type Run = Vec<(Vec<(u32, u32, Vec<(u32, u32)>)>, Usage)>;
+    let run = |prefix_cache: bool| -> Run {
+        let rc = RunnerConfig {
+            prefix_cache,
+            ..RunnerConfig::with_kv_tokens(1024, tandem_kernels::GgmlType::F16)
+        };
+        let runner =
+            CpuModelRunner::new(g.clone(), rc, Arc::new(tandem_kernels::CpuKernels::new()))
+                .unwrap();
+        let cfg = SchedulerConfig {
+            max_batch: 3,
+            chunk_size: 16,
+            ..Default::default()
+        };
+        let (h, _join) = spawn(runner, letters_for(96), cfg, Arc::new(Metrics::new())).unwrap();
+        // The first request alone, so that the others can find its prefix.
+        let mut order = vec![prompts[6].clone()];
+        order.extend(prompts.iter().cloned());
+        let mut rxs = Vec::new();
+        for (i, p) in order.into_iter().enumerate() {
+            let mut r = req(p, 6);
+            r.sampling.logprobs = Some(3);
+            rxs.push(h.submit(r).unwrap());
+            if i == 0 {
+                let mut rx = rxs.pop().unwrap();
+                let mut evs = Vec::new();
+                while let Some(ev) = rx.blocking_recv() {
+                    evs.push(ev);
+                }
+                rxs.push(replay(evs));
+            }
+        }
+        rxs.into_iter()
+            .map(|mut rx| {
+                let mut toks = Vec::new();
+                let mut usage = None;
+                while let Some(ev) = rx.blocking_recv() {
+                    match ev {
+                        GenEvent::Token { id, logprob, .. } => {
+                            let lp = logprob.expect("logprobs asked for");
+                            let top = lp.top.iter().map(|(t, l)| (*t, l.to_bits())).collect();
+                            toks.push((id, lp.logprob.to_bits(), top));
+                        }
+                        GenEvent::Done { usage: u, .. } => usage = Some(u),
+                        other => panic!("{other:?}"),
+                    }
+                }
+                (toks, usage.expect("done"))
+            })
+            .collect()
+    };
+    let cached = run(true);
+    let plain = run(false);
+    for (i, (a, b)) in cached.iter().zip(&plain).enumerate() {
+        assert_eq!(a.0, b.0, "request {i}: tokens and logprob bits");
+        assert_eq!(a.0.len(), 6);
+        assert_eq!(b.1.cached_tokens, 0);
+        assert_eq!(a.1.prompt_tokens, b.1.prompt_tokens);
+    }
+    let hits: Vec<usize> = cached.iter().map(|c| c.1.cached_tokens).collect();
+    assert_eq!(hits[0], 0, "{hits:?}");
+    assert_eq!(
+        hits[7], 48,
+        "the same prompt again: all whole blocks but the last token's"
+    );
+    assert!(
+        hits[1..7].iter().all(|h| *h >= 16 && h % 16 == 0),
+        "{hits:?}"
+    );
+}
+
+/// A receiver that yields `evs` (already received) again.
+fn replay(evs: Vec<GenEvent>) -> tmpsc::Receiver<GenEvent> {
+    let (tx, rx) = tmpsc::channel(evs.len().max(1));
+    for ev in evs {
+        tx.try_send(ev).unwrap();
+    }
+    rx
+}
+
+/// A prefill asked to export from a token that is not a whole number of blocks within the
+/// prompt (the decode's cached prefix) refuses the request at once, naming it.
+#[test]
+fn an_export_from_a_misaligned_or_too_long_prefix_is_refused() {
+    let (r, st) = fake(1000);
+    let (h, metrics) = start(r, SchedulerConfig::default());
+    for (len, from) in [(9, 3), (8, 8), (8, 12)] {
+        let mut pre = req((2..2 + len).collect(), 1);
+        pre.transfer = Transfer::Export { from };
+        let c = collect(h.submit(pre).unwrap());
+        let (reason, msg) = c.failed.expect("refused");
+        assert_eq!(reason, FailReason::InvalidRequest);
+        assert!(msg.contains(&format!("from token {from}")), "{msg}");
+    }
+    assert_eq!(counter(&metrics, "invalid_request"), 3);
+    assert!(st.lock().unwrap().log.is_empty(), "nothing ran");
 }

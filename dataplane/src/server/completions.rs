@@ -193,8 +193,8 @@ async fn generate(
     // (queue timeout, request too large) get a proper HTTP status even when streaming.
     let mut first = next_event(&state, &mut rx).await?;
     if let (Some(d), Some(kv_tx), Some((prompt, sampling))) = (decode, kv_tx, pd_prompt) {
-        match first {
-            Some(GenEvent::KvReserved) => {}
+        let cached = match first {
+            Some(GenEvent::KvReserved { cached }) => cached,
             Some(GenEvent::Failed { reason, message }) => {
                 return Err(ApiError::from_failure(reason, message));
             }
@@ -205,9 +205,9 @@ async fn generate(
                     "the engine ended the request without reserving KV",
                 ));
             }
-        }
+        };
         let room = tokio::select! {
-            r = d.prefill(&prompt, &sampling, kv_tx) => r,
+            r = d.prefill(&prompt, cached, &sampling, kv_tx) => r,
             _ = state.shutdown.deadline() => return Err(shutdown_error(&state)),
         };
         if let Err(f) = room {
@@ -275,7 +275,9 @@ async fn whole(
                 return Err(ApiError::from_failure(reason, message));
             }
             // Only prefill-role requests export KV; nothing to show here.
-            Some(GenEvent::KvExported(_) | GenEvent::KvReserved | GenEvent::Progress { .. }) => {}
+            Some(
+                GenEvent::KvExported(_) | GenEvent::KvReserved { .. } | GenEvent::Progress { .. },
+            ) => {}
             None => {
                 return Err(ApiError::server(
                     http::StatusCode::INTERNAL_SERVER_ERROR,
@@ -343,7 +345,9 @@ impl Sse {
                 out.extend_from_slice(b"data: [DONE]\n\n");
                 self.done = true;
             }
-            Some(GenEvent::KvExported(_) | GenEvent::KvReserved | GenEvent::Progress { .. }) => {
+            Some(
+                GenEvent::KvExported(_) | GenEvent::KvReserved { .. } | GenEvent::Progress { .. },
+            ) => {
                 return out;
             }
             Some(GenEvent::Failed { reason, message }) => {

@@ -123,6 +123,8 @@ pub fn usage_json(u: Usage) -> Value {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        // As OpenAI reports it: prompt tokens whose KV was reused from the prefix cache.
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     })
 }
 

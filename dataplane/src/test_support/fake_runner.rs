@@ -135,6 +135,7 @@ impl ModelRunner for FakeRunner {
         KvUsage {
             blocks_total: st.blocks_total,
             blocks_used: st.used(),
+            ..Default::default()
         }
     }
     /// The toy's "KV" is its token history, as little-endian u32s.
@@ -173,7 +174,11 @@ impl TokenText for Letters {
     }
 }
 pub fn letters() -> Arc<dyn TokenText> {
+    letters_for(VOCAB)
+}
+/// One letter per token of a `vocab`-token vocabulary.
+pub fn letters_for(vocab: usize) -> Arc<dyn TokenText> {
     Arc::new(Letters(
-        (0..VOCAB).map(|i| vec![b'a' + (i % 26) as u8]).collect(),
+        (0..vocab).map(|i| vec![b'a' + (i % 26) as u8]).collect(),
     ))
 }

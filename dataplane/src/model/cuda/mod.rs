@@ -142,6 +142,10 @@ impl ModelRunner for CudaModelRunner {
         self.model.reserve(seq, total_tokens)
     }
 
+    fn reserve_prompt(&mut self, seq: SeqId, prompt: &[u32], total_tokens: usize) -> Result<usize> {
+        self.model.reserve_prompt(seq, prompt, total_tokens)
+    }
+
     fn step(&mut self, batch: &[StepInput]) -> Result<Vec<Option<Vec<f32>>>> {
         let rows = self.forward(batch)?;
         let logits = self.model.logits_to_host(rows)?;
@@ -183,5 +187,13 @@ impl ModelRunner for CudaModelRunner {
 
     fn import_kv(&mut self, seq: SeqId, payload: &[u8]) -> Result<()> {
         self.model.import_kv(seq, payload)
+    }
+
+    fn export_kv_from(&self, seq: SeqId, start: usize) -> Result<Vec<u8>> {
+        self.model.export_kv_from(seq, start)
+    }
+
+    fn import_kv_after(&mut self, seq: SeqId, prefix: usize, payload: &[u8]) -> Result<()> {
+        self.model.import_kv_after(seq, prefix, payload)
     }
 }
