@@ -109,6 +109,8 @@ fn frozen_then_restarted_prefill_is_detected_and_recovered_without_restarting_th
         failed_after < Duration::from_secs(10),
         "the room failed {failed_after:?} after the kill: that is the KV timeout, not the closed connection"
     );
+    // The channel is gone: not ready (no new rooms) until a prefill is handshaken again.
+    assert!(!decode.is_ready(), "{}", decode.get("/ready").body);
     let prefill2 = start_prefill(kv, &env);
     decode.wait_for(
         "ready with the new prefill",

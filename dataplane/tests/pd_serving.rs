@@ -357,7 +357,9 @@ fn abort_cascade_frees_blocks_on_both_sides() {
     let kv = free_port();
     let prefill = start_prefill(kv, &env);
     let decode = start_decode(&[kv], &env, true);
-    let long = "Tell me everything about dragons, castles and knights. ".repeat(8);
+    // Long enough that the prefill of eight of them is still running when the first
+    // clients leave, even with the prefix cache sharing the chat preamble.
+    let long = "Tell me everything about dragons, castles and knights. ".repeat(24);
     let n = 8;
     // Half the clients vanish right after sending (their rooms are still in prefill), half
     // after the first streamed chunks (their sequences are decoding).

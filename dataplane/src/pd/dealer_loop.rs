@@ -144,6 +144,9 @@ pub(super) struct DealerLoop {
     session: DealerSession,
     rooms: RoomTable<DealerRoom>,
     last_ping: Option<(u64, Instant)>,
+    /// The incarnation of the last prefill this loop authenticated, kept across a closed
+    /// connection so that a replacement process is still counted and logged as a restart.
+    last_authenticated: Option<u64>,
     /// KV chunk data bytes received in this session, and the total last acknowledged.
     consumed: u64,
     credited: u64,
@@ -196,6 +199,7 @@ impl DealerLoop {
             },
             rooms: RoomTable::new(deadlines, 65_536),
             last_ping: None,
+            last_authenticated: None,
             consumed: 0,
             credited: 0,
             stopped: false,
@@ -309,9 +313,11 @@ impl DealerLoop {
     /// KV of the rooms already sent there will not arrive on this connection — a dead
     /// prefill's never, a reconnected one's only partly (libzmq drops what it could not
     /// deliver) — so they fail now with `peer_lost` instead of waiting out the KV timeout.
-    /// Rooms not yet sent stay queued. The session is left as it is: a new process is
-    /// recognised by its incarnation (rule 4) and handshaken with again, a link that
-    /// comes back to the same process goes on, and a peer that stays away fails its probe.
+    /// Rooms not yet sent stay queued. The session ends too: until a handshake succeeds
+    /// again the peer is not ready and gets no new rooms (a send on the closed connection
+    /// would only fail `send_failed`); the handshake is retried at once and every 200 ms
+    /// while the prefill is unreachable, whether it comes back as the same process (a
+    /// broken link) or a new one (counted as a restart when authenticated).
     fn on_disconnected(&mut self, endpoint: &str) {
         self.metrics.kv.peer_disconnects.inc();
         let lost: Vec<u64> = self
@@ -325,6 +331,12 @@ impl DealerLoop {
             })
             .collect();
         tracing::warn!(peer = %self.addr, %endpoint, peer_incarnation = %format!("{:016x}", self.shared.peer_incarnation.load(Ordering::Relaxed)), rooms_failed = lost.len(), "connection to the prefill closed");
+        // Not ready before the rooms' clients hear of it.
+        if !matches!(self.session, DealerSession::Idle { .. }) {
+            self.set_session(DealerSession::Idle {
+                retry_at: Instant::now(),
+            });
+        }
         for id in lost {
             self.fail_room(
                 id,
@@ -360,6 +372,7 @@ impl DealerLoop {
             && hdr.incarnation != known
         {
             self.metrics.kv.peer_incarnation_changes.inc();
+            self.last_authenticated = Some(hdr.incarnation);
             tracing::warn!(peer = %self.addr, old_incarnation = known, new_incarnation = hdr.incarnation, "prefill restarted; failing its rooms and handshaking again");
             self.refused(
                 FailCode::PeerRestarted.label(),
@@ -404,6 +417,15 @@ impl DealerLoop {
                 {
                     self.metrics.kv.handshake("ok");
                     tracing::info!(peer = %self.addr, peer_incarnation = %format!("{peer_incarnation:016x}"), "prefill authenticated");
+                    // A new process met after the connection closed (the session had
+                    // already ended, so rule 4's check above did not see the change).
+                    if let Some(old) = self.last_authenticated
+                        && old != peer_incarnation
+                    {
+                        self.metrics.kv.peer_incarnation_changes.inc();
+                        tracing::warn!(peer = %self.addr, old_incarnation = old, new_incarnation = peer_incarnation, "prefill restarted while disconnected; handshaken again");
+                    }
+                    self.last_authenticated = Some(peer_incarnation);
                     self.shared
                         .peer_incarnation
                         .store(peer_incarnation, Ordering::Relaxed);
