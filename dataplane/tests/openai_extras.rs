@@ -6,6 +6,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::{MODEL_NAME, Server, free_port, pd_env, start_decode, start_prefill};
 use serde_json::{Value, json};
 use tandem_dataplane::gguf::Gguf;
@@ -235,8 +237,15 @@ fn check_extras(s: &Server, tok: &Tokenizer) {
 fn extras_on_the_colocated_server() {
     let s = Server::start(&[]);
     check_extras(&s, &tokenizer());
-    assert_eq!(s.metric("tandem_requests_running "), 0.0);
-    assert_eq!(s.metric("tandem_kv_blocks_used "), 0.0);
+    // Every request ended and freed its blocks (the engine retires a sequence just after
+    // its last token is sent, hence a wait rather than a single sample).
+    s.wait_for(
+        "requests retired and blocks freed",
+        Duration::from_secs(10),
+        |s| {
+            s.metric("tandem_requests_running ") == 0.0 && s.metric("tandem_kv_blocks_used ") == 0.0
+        },
+    );
 }
 
 #[test]
