@@ -327,7 +327,10 @@ fn a_prefill_longer_than_the_kv_timeout_succeeds_while_a_silent_one_times_out() 
         0.0
     );
 
-    // The same prompt to a prefill that goes silent mid-prefill (SIGSTOP).
+    // As long a prompt to a prefill that goes silent mid-prefill (SIGSTOP). Another one:
+    // the first is in both prefix caches now and would be answered at once.
+    let other = "nine ten eleven twelve thirteen fourteen fifteen sixteen ".repeat(50);
+    let body = json!({"model": MODEL_NAME, "prompt": other, "max_tokens": 2, "temperature": 0});
     let addr = decode.addr;
     let b = body.to_string();
     let client =
