@@ -6,7 +6,9 @@ use std::io::BufReader;
 use std::time::Duration;
 
 use common::http_client::{read_chunk, read_head, send};
-use common::{MODEL_NAME, Server, free_port, pd_env, start_decode, start_prefill};
+use common::{
+    MODEL_NAME, Server, chat_with_system, free_port, pd_env, start_decode, start_prefill,
+};
 use serde_json::{Value, json};
 
 /// Greedy completion: (token strings with their logprobs, text, finish reason).
@@ -123,31 +125,6 @@ fn pd_greedy_output_equals_colocated_token_for_token() {
     assert_eq!(prefill.metric("tandem_kv_blocks_used "), 0.0);
 }
 
-/// A chat with a long shared system prompt: (content, logprobs, prompt tokens, cached tokens).
-fn chat_with_system(s: &Server, system: &str, question: &str) -> (String, Value, u64, u64) {
-    let r = s.post(
-        "/v1/chat/completions",
-        &json!({"model": MODEL_NAME, "max_tokens": 8, "temperature": 0,
-                "logprobs": true, "top_logprobs": 2,
-                "messages": [{"role": "system", "content": system},
-                             {"role": "user", "content": question}]}),
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
-    let v = r.json();
-    let u = &v["usage"];
-    (
-        v["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .to_owned(),
-        v["choices"][0]["logprobs"].clone(),
-        u["prompt_tokens"].as_u64().unwrap(),
-        u["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap(),
-    )
-}
-
 /// PD with the prefix cache: the decode finds a shared system prompt in its own cache,
 /// tells the prefill, and receives only the KV of the rest; the answers stay those of
 /// `--role both`, and KV bytes per request drop by exactly the cached share.
@@ -167,9 +144,9 @@ fn pd_prefix_cache_moves_only_the_uncached_suffix() {
         "Which shelf holds the atlases?",
     ] {
         let before = received();
-        let (text, lps, prompt, cached) = chat_with_system(&decode, &system, q);
+        let (text, lps, prompt, cached) = chat_with_system(&decode, &system, q, 2);
         let bytes = received() - before;
-        let (text0, lps0, prompt0, _) = chat_with_system(&both, &system, q);
+        let (text0, lps0, prompt0, _) = chat_with_system(&both, &system, q, 2);
         assert_eq!((&text, prompt), (&text0, prompt0), "{q}");
         let lp = |v: &Value| -> Vec<(String, f64)> {
             v["content"]

@@ -6,7 +6,7 @@ use std::io::BufReader;
 use std::time::Duration;
 
 use common::http_client::{read_chunk, read_head, send};
-use common::{MODEL_NAME, Server};
+use common::{MODEL_NAME, Server, chat_with_system};
 use serde_json::{Value, json};
 
 fn chat(content: &str, max_tokens: u32, stream: bool) -> Value {
@@ -195,38 +195,6 @@ fn concurrent_equals_sequential(extra: &[&str], fields: &Value) -> (Server, Vec<
     (s, sequential)
 }
 
-/// A chat with a long shared system prompt: greedy content and the logprob of each token.
-fn chat_with_system(s: &Server, system: &str, question: &str) -> (String, Value, u64, u64) {
-    let r = s.post(
-        "/v1/chat/completions",
-        &json!({
-            "model": MODEL_NAME,
-            "messages": [
-                {"role": "system", "content": system},
-                {"role": "user", "content": question},
-            ],
-            "max_tokens": 8,
-            "temperature": 0,
-            "logprobs": true,
-            "top_logprobs": 3,
-        }),
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
-    let v = r.json();
-    let u = &v["usage"];
-    (
-        v["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap()
-            .to_owned(),
-        v["choices"][0]["logprobs"].clone(),
-        u["prompt_tokens"].as_u64().unwrap(),
-        u["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap(),
-    )
-}
-
 /// Requests sharing a ~230-token system prompt: after the first, each reports the prefix
 /// as cached (`usage.prompt_tokens_details.cached_tokens`) and answers exactly as a
 /// server without the prefix cache does: the same text and the same logprobs.
@@ -242,8 +210,8 @@ fn a_shared_system_prompt_is_served_from_the_prefix_cache_with_identical_outputs
     let plain = Server::start(&["--no-prefix-cache"]);
     let mut hits = Vec::new();
     for q in questions {
-        let (text, lps, prompt, hit) = chat_with_system(&cached, &system, q);
-        let (text0, lps0, prompt0, hit0) = chat_with_system(&plain, &system, q);
+        let (text, lps, prompt, hit) = chat_with_system(&cached, &system, q, 3);
+        let (text0, lps0, prompt0, hit0) = chat_with_system(&plain, &system, q, 3);
         assert_eq!((&text, &lps, prompt), (&text0, &lps0, prompt0), "{q}");
         assert_eq!(hit0, 0, "--no-prefix-cache reuses nothing");
         assert!(prompt > 200 && !text.is_empty(), "{prompt} {text:?}");

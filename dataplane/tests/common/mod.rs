@@ -585,3 +585,41 @@ impl Drop for OtherModel {
         let _ = std::fs::remove_file(&self.0);
     }
 }
+
+/// A greedy 8-token chat with a long shared system prompt, with `top_logprobs`
+/// alternatives per token: (content, logprobs, prompt tokens, cached prompt tokens).
+pub fn chat_with_system(
+    s: &Server,
+    system: &str,
+    question: &str,
+    top_logprobs: u32,
+) -> (String, serde_json::Value, u64, u64) {
+    let r = s.post(
+        "/v1/chat/completions",
+        &serde_json::json!({
+            "model": MODEL_NAME,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": true,
+            "top_logprobs": top_logprobs,
+        }),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let u = &v["usage"];
+    (
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_owned(),
+        v["choices"][0]["logprobs"].clone(),
+        u["prompt_tokens"].as_u64().unwrap(),
+        u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+    )
+}
