@@ -335,13 +335,16 @@ fn two_prefills_share_rooms_and_each_gates_readiness() {
 
 #[test]
 fn abort_cascade_frees_blocks_on_both_sides() {
-    let env = pd_env(&[]);
+    // Without the prefix cache: the test needs prefills that are still running when their
+    // clients leave, and a cached prefix shortens them (the cache has tests of its own).
+    let env = pd_env(&[("TANDEM_NO_PREFIX_CACHE", "1")]);
     let kv = free_port();
     let prefill = start_prefill(kv, &env);
     let decode = start_decode(&[kv], &env, true);
-    // Long enough that the prefill of eight of them is still running when the first
-    // clients leave, even with the prefix cache sharing the chat preamble.
-    let long = "Tell me everything about dragons, castles and knights. ".repeat(24);
+    // ~450 tokens each: eight of them keep the prefill busy for seconds, so the first
+    // clients are gone while their rooms are still in prefill (with ~110 tokens the
+    // prefill sometimes finished every room first: no abort to check).
+    let long = "Tell me everything about dragons, castles and knights. ".repeat(40);
     let n = 8;
     // Half the clients vanish right after sending (their rooms are still in prefill), half
     // after the first streamed chunks (their sequences are decoding).
