@@ -110,73 +110,96 @@ fn main() {
             layer_total * 30.0
         );
     }
-    // Attention: 32 queries over 480 positions each, Q8_0 KV, 9 heads / 3 KV heads.
+    // Attention: C queries over 480 positions each, 9 heads / 3 KV heads, as a decode step
+    // at C = 1, 4 and 32 sees it. `ATTN_C=1,32` picks the levels, `ATTN_CTX` the context.
     let s = AttnShape {
         n_heads: 9,
         n_kv_heads: 3,
         head_dim: 64,
     };
+    let levels: Vec<usize> = std::env::var("ATTN_C")
+        .ok()
+        .map(|v| v.split(',').filter_map(|c| c.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 4, 32]);
     for ty in [GgmlType::Q8_0, GgmlType::F16] {
-        let (bt, ctx, nq) = (16usize, 480usize, 32usize);
-        let rb = ty.row_bytes(s.kv_dim()).unwrap();
-        let blocks = nq * ctx / bt;
-        let kp = encode(&mut rng, ty, blocks * bt, s.kv_dim());
-        let vp = encode(&mut rng, ty, blocks * bt, s.kv_dim());
-        assert_eq!(kp.len(), blocks * bt * rb);
-        let tables: Vec<Vec<u32>> = (0..nq)
-            .map(|i| ((i * ctx / bt) as u32..((i + 1) * ctx / bt) as u32).collect())
-            .collect();
-        let queries: Vec<AttnQuery> = tables
-            .iter()
-            .map(|t| AttnQuery {
-                block_table: t,
-                n_ctx: ctx,
-            })
-            .collect();
-        let q = rng.vec(nq * s.q_dim());
-        let mut out = vec![0f32; q.len()];
-        let kv = KvView {
-            ty,
-            data: &kp,
-            block_tokens: bt,
-        };
-        let vv = KvView {
-            ty,
-            data: &vp,
-            block_tokens: bt,
-        };
-        let ms_ = time(reps, || {
-            k.attention(&s, &q, &queries, &kv, &vv, &mut out).unwrap();
-        });
-        println!(
-            "attention {ty} 32 x 480: {ms_:8.3} ms, x30 = {:.1} ms",
-            ms_ * 30.0
-        );
-        // The same over 30 distinct layers' pools, as one decode step sees them: the K/V
-        // data (~190 MB for Q8_0) comes from DRAM rather than the caches.
-        let layers: Vec<(Vec<u8>, Vec<u8>)> = (0..30)
-            .map(|_| {
-                (
-                    encode(&mut rng, ty, blocks * bt, s.kv_dim()),
-                    encode(&mut rng, ty, blocks * bt, s.kv_dim()),
-                )
-            })
-            .collect();
-        let cold = time(reps.div_ceil(4), || {
-            for (kp, vp) in &layers {
-                let kv = KvView {
-                    ty,
-                    data: kp,
-                    block_tokens: bt,
-                };
-                let vv = KvView {
-                    ty,
-                    data: vp,
-                    block_tokens: bt,
-                };
-                k.attention(&s, &q, &queries, &kv, &vv, &mut out).unwrap();
-            }
-        });
-        println!("attention {ty} 32 x 480 over 30 layers (from DRAM): {cold:8.3} ms");
+        for &nq in &levels {
+            attention_level(&k, &mut rng, reps, &s, ty, nq);
+        }
     }
+}
+
+/// Times attention of `nq` queries over `ATTN_CTX` (480) positions each: one layer hot, and 30
+/// distinct layers' pools in a row (K/V from DRAM, as one decode step reads them).
+fn attention_level(
+    k: &CpuKernels,
+    rng: &mut Rng,
+    reps: usize,
+    s: &AttnShape,
+    ty: GgmlType,
+    nq: usize,
+) {
+    // `ATTN_CTX=n`: positions per query (default 480, a long decode context).
+    let ctx: usize = std::env::var("ATTN_CTX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(480);
+    let bt = 16usize;
+    let blocks = nq * ctx / bt;
+    let tables: Vec<Vec<u32>> = (0..nq)
+        .map(|i| ((i * ctx / bt) as u32..((i + 1) * ctx / bt) as u32).collect())
+        .collect();
+    let queries: Vec<AttnQuery> = tables
+        .iter()
+        .map(|t| AttnQuery {
+            block_table: t,
+            n_ctx: ctx,
+        })
+        .collect();
+    let q = rng.vec(nq * s.q_dim());
+    let mut out = vec![0f32; q.len()];
+    let layers: Vec<(Vec<u8>, Vec<u8>)> = (0..30)
+        .map(|_| {
+            (
+                encode(rng, ty, blocks * bt, s.kv_dim()),
+                encode(rng, ty, blocks * bt, s.kv_dim()),
+            )
+        })
+        .collect();
+    fn view(ty: GgmlType, data: &[u8], bt: usize) -> KvView<'_> {
+        KvView {
+            ty,
+            data,
+            block_tokens: bt,
+        }
+    }
+    let (kp, vp) = &layers[0];
+    let hot = time(reps, || {
+        k.attention(
+            s,
+            &q,
+            &queries,
+            &view(ty, kp, bt),
+            &view(ty, vp, bt),
+            &mut out,
+        )
+        .unwrap();
+    });
+    let cold = time(reps.div_ceil(4), || {
+        for (kp, vp) in &layers {
+            k.attention(
+                s,
+                &q,
+                &queries,
+                &view(ty, kp, bt),
+                &view(ty, vp, bt),
+                &mut out,
+            )
+            .unwrap();
+        }
+    });
+    println!(
+        "attention {ty} C={nq:2} x {ctx}: one layer {hot:7.3} ms (x30 = {:6.1}), \
+         30 layers from DRAM {cold:7.2} ms",
+        hot * 30.0
+    );
 }

@@ -539,7 +539,10 @@ fn exact_activation_mode_matches_dense_f32_math() {
 
 /// A query's attention output does not depend on the batch it is computed in (batched
 /// decoding reproduces sequential decoding bit for bit): the same bits alone and among
-/// many queries of different lengths, whatever the task split of the pool.
+/// many queries of different lengths, whatever the task split of the pool. Alone, a query
+/// is one task per KV head; in a batch of at least two per thread, one task per query
+/// that walks whole KV rows 32 positions at a time (cpu/attention.rs): contexts up to 150
+/// cross several of those chunks, mid-block and at block ends.
 #[test]
 fn attention_of_a_query_is_bit_identical_alone_and_in_a_large_batch() {
     let mut rng = Rng(29);
@@ -548,10 +551,10 @@ fn attention_of_a_query_is_bit_identical_alone_and_in_a_large_batch() {
         n_kv_heads: 3,
         head_dim: 64,
     };
-    let bt = 16;
-    for ty in [GgmlType::Q8_0, GgmlType::F16] {
-        let (kp, table, _) = paged(&mut rng, ty, 70, s.kv_dim(), bt);
-        let (vp, _, _) = paged(&mut rng, ty, 70, s.kv_dim(), bt);
+    let (bt, positions) = (16, 150);
+    for ty in [GgmlType::Q8_0, GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
+        let (kp, table, _) = paged(&mut rng, ty, positions, s.kv_dim(), bt);
+        let (vp, _, _) = paged(&mut rng, ty, positions, s.kv_dim(), bt);
         let k = KvView {
             ty,
             data: &kp,
@@ -566,13 +569,20 @@ fn attention_of_a_query_is_bit_identical_alone_and_in_a_large_batch() {
         let queries: Vec<AttnQuery> = (0..n_q)
             .map(|i| AttnQuery {
                 block_table: &table,
-                n_ctx: 1 + (i * 13) % 70,
+                n_ctx: 1 + (i * 37) % positions,
             })
             .collect();
         let q = rng.vec(n_q * s.q_dim(), 1.0);
+        let mut want = vec![0f32; q.len()];
+        ScalarKernels
+            .attention(&s, &q, &queries, &k, &v, &mut want)
+            .unwrap();
         for (name, kern) in backends() {
             let mut all = vec![0f32; q.len()];
             kern.attention(&s, &q, &queries, &k, &v, &mut all).unwrap();
+            for (i, (a, b)) in want.iter().zip(&all).enumerate() {
+                assert!((a - b).abs() < 1e-5, "{name} {ty} at {i}: {a} vs {b}");
+            }
             for (i, qu) in queries.iter().enumerate() {
                 let mut one = vec![0f32; s.q_dim()];
                 let qi = &q[i * s.q_dim()..(i + 1) * s.q_dim()];

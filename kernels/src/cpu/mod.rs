@@ -1,6 +1,7 @@
 //! The optimized CPU backend: SIMD inner loops picked at run time, threads over output
 //! rows (matmul) or (query, KV head) pairs (attention).
 
+mod attention;
 mod backend;
 mod pool;
 #[cfg(target_arch = "x86_64")]
@@ -483,80 +484,7 @@ impl Kernels for CpuKernels {
         out: &mut [f32],
     ) -> Result<()> {
         check_attention(s, q, queries, k, v, out)?;
-        let (hd, g_size) = (s.head_dim, s.group());
-        let scale = 1.0 / (hd as f32).sqrt();
-        let (k_row, k_head) = (k.ty.row_bytes(s.kv_dim())?, k.ty.row_bytes(hd)?);
-        let (v_row, v_head) = (v.ty.row_bytes(s.kv_dim())?, v.ty.row_bytes(hd)?);
-        // One task per (query token, KV head): the head's K and V rows are decoded once
-        // into f32 and shared by the group's query heads.
-        let parts: Vec<&mut [f32]> = out.chunks_mut(g_size * hd).collect();
-        self.pool.for_each(parts, |i, o| {
-            let (qi, g) = (i / s.n_kv_heads, i % s.n_kv_heads);
-            let qu = &queries[qi];
-            let n = qu.n_ctx;
-            let qg = &q[(qi * s.n_heads + g * g_size) * hd..][..g_size * hd];
-            SCRATCH.with_borrow_mut(|sc| {
-                grow(&mut sc.f, g_size * n);
-                grow(&mut sc.f2, n * hd);
-                grow(&mut sc.offs, n);
-                let (scores, rows) = (&mut sc.f[..g_size * n], &mut sc.f2[..n * hd]);
-                let offs = &mut sc.offs[..n];
-                fill_offsets(offs, qu.block_table, k.block_tokens, k_row, k_head, g);
-                let fused = match self.simd {
-                    #[cfg(target_arch = "x86_64")]
-                    Some(sx) => sx.attn_scores(k.ty, k.data, offs, hd, qg, scale, scores),
-                    _ => false,
-                };
-                if !fused {
-                    for (row, &off) in rows.chunks_exact_mut(hd).zip(offs.iter()) {
-                        self.decode_row(k.ty, &k.data[off..off + k_head], row);
-                    }
-                    for h in 0..g_size {
-                        let qh = &qg[h * hd..(h + 1) * hd];
-                        for (sc, row) in scores[h * n..(h + 1) * n]
-                            .iter_mut()
-                            .zip(rows.chunks_exact(hd))
-                        {
-                            *sc = self.dot_f32(qh, row) * scale;
-                        }
-                    }
-                }
-                for h in 0..g_size {
-                    let row = &mut scores[h * n..(h + 1) * n];
-                    match self.simd {
-                        #[cfg(target_arch = "x86_64")]
-                        Some(sx) => sx.softmax(row),
-                        _ => ScalarKernels.softmax(row),
-                    }
-                }
-                fill_offsets(offs, qu.block_table, v.block_tokens, v_row, v_head, g);
-                let fused = match self.simd {
-                    #[cfg(target_arch = "x86_64")]
-                    Some(sx) => sx.attn_pv(v.ty, v.data, offs, hd, scores, o),
-                    _ => false,
-                };
-                if fused {
-                    return;
-                }
-                for (row, &off) in rows.chunks_exact_mut(hd).zip(offs.iter()) {
-                    self.decode_row(v.ty, &v.data[off..off + v_head], row);
-                }
-                for h in 0..g_size {
-                    let (p, oh) = (&scores[h * n..(h + 1) * n], &mut o[h * hd..(h + 1) * hd]);
-                    match self.simd {
-                        #[cfg(target_arch = "x86_64")]
-                        Some(sx) if hd.is_multiple_of(8) => sx.weighted_sum(p, rows, oh),
-                        _ => {
-                            oh.fill(0.0);
-                            for (pt, row) in p.iter().zip(rows.chunks_exact(hd)) {
-                                oh.iter_mut().zip(row).for_each(|(a, b)| *a += pt * b);
-                            }
-                        }
-                    }
-                }
-            });
-        });
-        Ok(())
+        attention::run(self, s, q, queries, k, v, out)
     }
 }
 

@@ -360,10 +360,22 @@ impl Avx2 {
         }
     }
 
+    /// Whether [`Self::attn_scores`] and [`Self::attn_pv`] both have kernels for K and V
+    /// of these types, heads of `hd` values and groups of `g` query heads.
+    pub(crate) fn attn_fused(self, k: GgmlType, v: GgmlType, hd: usize, g: usize) -> bool {
+        let typed = |t| {
+            matches!(
+                t,
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0
+            )
+        };
+        typed(k) && typed(v) && hd > 0 && hd.is_multiple_of(32) && (1..=4).contains(&g)
+    }
+
     /// Attention scores of the `q.len() / hd` query heads of one KV group against the K
     /// rows of type `ty` at byte offsets `offs` in `data` (`hd` values each), times
-    /// `scale`, into `scores` (one row of `offs.len()` per head). Returns false, touching
-    /// nothing, for a shape it has no kernel for.
+    /// `scale`, into `scores`: head h's score of row t at `h * stride + t`. Returns false,
+    /// touching nothing, for a shape it has no kernel for.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attn_scores(
         self,
@@ -374,6 +386,7 @@ impl Avx2 {
         q: &[f32],
         scale: f32,
         scores: &mut [f32],
+        stride: usize,
     ) -> bool {
         let (n, g) = (offs.len(), q.len() / hd.max(1));
         let t = match ty {
@@ -387,7 +400,7 @@ impl Avx2 {
             return false;
         }
         let head_bytes = ty.row_bytes(hd).expect("checked by the caller");
-        assert!(q.len() == g * hd && scores.len() == g * n);
+        assert!(q.len() == g * hd && stride >= n && scores.len() >= (g - 1) * stride + n);
         assert!(offs.iter().all(|o| o + head_bytes <= data.len()));
         let (d, o, qp, sp) = (
             data.as_ptr(),
@@ -398,15 +411,16 @@ impl Avx2 {
         macro_rules! go {
             ($t:ident) => {
                 match g {
-                    1 => scores_k::<$t, 1>(d, o, n, hd, qp, scale, sp),
-                    2 => scores_k::<$t, 2>(d, o, n, hd, qp, scale, sp),
-                    3 => scores_k::<$t, 3>(d, o, n, hd, qp, scale, sp),
-                    _ => scores_k::<$t, 4>(d, o, n, hd, qp, scale, sp),
+                    1 => scores_k::<$t, 1>(d, o, n, hd, qp, scale, sp, stride),
+                    2 => scores_k::<$t, 2>(d, o, n, hd, qp, scale, sp, stride),
+                    3 => scores_k::<$t, 3>(d, o, n, hd, qp, scale, sp, stride),
+                    _ => scores_k::<$t, 4>(d, o, n, hd, qp, scale, sp, stride),
                 }
             };
         }
         // SAFETY: features proven by the token; every offset starts `hd` values of `ty`
-        // inside `data` (asserted), `q` holds g·hd floats and `scores` g·n (asserted).
+        // inside `data` (asserted), `q` holds g·hd floats and `scores` (g-1)·stride + n
+        // (asserted).
         unsafe {
             match t {
                 KF32 => go!(KF32),
@@ -419,8 +433,11 @@ impl Avx2 {
     }
 
     /// `out` (one row of `hd` per head) `= Σ_t p[h][t] · V[t]` over the V rows of type
-    /// `ty` at byte offsets `offs` in `data`. Returns false, touching nothing, for a shape
-    /// it has no kernel for.
+    /// `ty` at byte offsets `offs` in `data`, head h's weight of row t at
+    /// `p[h * p_stride + t]`. With `accumulate` the sum continues from `out` (the same
+    /// additions in the same order as one call over all the rows, so the same bits).
+    /// Returns false, touching nothing, for a shape it has no kernel for.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attn_pv(
         self,
         ty: GgmlType,
@@ -428,7 +445,9 @@ impl Avx2 {
         offs: &[usize],
         hd: usize,
         p: &[f32],
+        p_stride: usize,
         out: &mut [f32],
+        accumulate: bool,
     ) -> bool {
         let (n, g) = (offs.len(), out.len() / hd.max(1));
         let t = match ty {
@@ -442,21 +461,22 @@ impl Avx2 {
             return false;
         }
         let head_bytes = ty.row_bytes(hd).expect("checked by the caller");
-        assert!(out.len() == g * hd && p.len() == g * n);
+        assert!(out.len() == g * hd && p_stride >= n && p.len() >= (g - 1) * p_stride + n);
         assert!(offs.iter().all(|o| o + head_bytes <= data.len()));
         let (d, o, pp, op) = (data.as_ptr(), offs.as_ptr(), p.as_ptr(), out.as_mut_ptr());
         macro_rules! go {
             ($t:ident) => {
                 match g {
-                    1 => pv_k::<$t, 1>(d, o, n, hd, pp, op),
-                    2 => pv_k::<$t, 2>(d, o, n, hd, pp, op),
-                    3 => pv_k::<$t, 3>(d, o, n, hd, pp, op),
-                    _ => pv_k::<$t, 4>(d, o, n, hd, pp, op),
+                    1 => pv_k::<$t, 1>(d, o, n, hd, pp, p_stride, op, accumulate),
+                    2 => pv_k::<$t, 2>(d, o, n, hd, pp, p_stride, op, accumulate),
+                    3 => pv_k::<$t, 3>(d, o, n, hd, pp, p_stride, op, accumulate),
+                    _ => pv_k::<$t, 4>(d, o, n, hd, pp, p_stride, op, accumulate),
                 }
             };
         }
         // SAFETY: features proven by the token; every offset starts `hd` values of `ty`
-        // inside `data` (asserted), `p` holds g·n floats and `out` g·hd (asserted).
+        // inside `data` (asserted), `p` holds (g-1)·p_stride + n floats and `out` g·hd
+        // (asserted).
         unsafe {
             match t {
                 KF32 => go!(KF32),
@@ -973,9 +993,9 @@ unsafe fn load8<const T: u8>(row: *const u8, c: usize) -> __m256 {
     }
 }
 
-/// `out[h] = Σ_t p[h][t] · V[t]` for G heads over the V rows at `offs`, 32 dimensions
+/// `out[h] (+)= Σ_t p[h][t] · V[t]` for G heads over the V rows at `offs`, 32 dimensions
 /// per pass: each row chunk is decoded once in registers and shared by the G heads (a
-/// Q8_0 block's scale is folded into the weights `p`).
+/// Q8_0 block's scale is folded into the weights `p`). `accumulate` starts from `out`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pv_k<const T: u8, const G: usize>(
@@ -984,13 +1004,24 @@ unsafe fn pv_k<const T: u8, const G: usize>(
     n: usize,
     hd: usize,
     p: *const f32,
+    p_stride: usize,
     out: *mut f32,
+    accumulate: bool,
 ) {
     for c0 in (0..hd).step_by(32) {
         let mut acc = [[_mm256_setzero_ps(); 4]; G];
+        if accumulate {
+            for (h, ah) in acc.iter_mut().enumerate() {
+                for (j, a) in ah.iter_mut().enumerate() {
+                    // SAFETY: h < G and c0 + 8j + 8 <= hd, inside the caller's G·hd floats.
+                    *a = unsafe { _mm256_loadu_ps(out.add(h * hd + c0 + 8 * j)) };
+                }
+            }
+        }
         for t in 0..n {
             // SAFETY: t < n and c0 + 32 <= hd; the caller guarantees `hd` values of type T
-            // at every offset, G·n weights in `p` and G·hd floats in `out`.
+            // at every offset, weights at h·p_stride + t < (G-1)·p_stride + n in `p`, and
+            // G·hd floats in `out`.
             unsafe {
                 let row = data.add(*offs.add(t));
                 let mut v = [_mm256_setzero_ps(); 4];
@@ -1008,7 +1039,7 @@ unsafe fn pv_k<const T: u8, const G: usize>(
                     }
                 }
                 for (h, ah) in acc.iter_mut().enumerate() {
-                    let w = *p.add(h * n + t);
+                    let w = *p.add(h * p_stride + t);
                     let w = _mm256_set1_ps(if T == KQ8 { w * d } else { w });
                     for (a, vj) in ah.iter_mut().zip(v) {
                         *a = _mm256_fmadd_ps(w, vj, *a);
@@ -1025,9 +1056,9 @@ unsafe fn pv_k<const T: u8, const G: usize>(
     }
 }
 
-/// Scores of G heads against the K rows at `offs`: each row is decoded 8 values at a
-/// time in registers and shared by the G heads; two positions share each load of the
-/// queries, and 8 positions are reduced together.
+/// Scores of G heads against the K rows at `offs` (head h's row t at `out[h * stride +
+/// t]`): each row is decoded 8 values at a time in registers and shared by the G heads;
+/// two positions share each load of the queries, and 8 positions are reduced together.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scores_k<const T: u8, const G: usize>(
@@ -1038,6 +1069,7 @@ unsafe fn scores_k<const T: u8, const G: usize>(
     q: *const f32,
     scale: f32,
     out: *mut f32,
+    stride: usize,
 ) {
     let scale = _mm256_set1_ps(scale);
     let mut t0 = 0;
@@ -1095,8 +1127,8 @@ unsafe fn scores_k<const T: u8, const G: usize>(
             // SAFETY: __m256 and [f32; 8] have the same size and any bits are valid.
             let lanes: [f32; 8] = unsafe { std::mem::transmute(v) };
             for (i, x) in lanes.iter().enumerate().take(m) {
-                // SAFETY: h < G and t0 + i < n, inside the caller's G·n floats.
-                unsafe { *out.add(h * n + t0 + i) = *x };
+                // SAFETY: h < G and t0 + i < n, inside the caller's (G-1)·stride + n floats.
+                unsafe { *out.add(h * stride + t0 + i) = *x };
             }
         }
         t0 += 8;
