@@ -39,7 +39,44 @@ pub async fn run(env: &Env) -> Result<()> {
 
     env.namespace(ns).await?;
     let mut op = env.operator("s01", ns)?;
-    op.wait_leading(Duration::from_secs(60)).await?;
+    let example = Example {
+        ns,
+        manifest: &manifest,
+        name: &name,
+        groups,
+        model: &model,
+    };
+    let checked = async {
+        op.wait_leading(Duration::from_secs(60)).await?;
+        serve_and_check(env, &example).await
+    }
+    .await;
+    // Pass or fail, leave `default` as a user's cluster was before the example: later
+    // scenarios (s09 dry-runs the examples there) must not meet its claim.
+    let cleaned = remove(env, &example).await;
+    op.stop().await?;
+    checked?;
+    cleaned
+}
+
+/// The example as applied.
+struct Example<'a> {
+    ns: &'a str,
+    manifest: &'a std::path::Path,
+    name: &'a str,
+    groups: i32,
+    model: &'a str,
+}
+
+/// Applies the example and checks what a user sees of it.
+async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
+    let Example {
+        ns,
+        manifest,
+        name,
+        groups,
+        model,
+    } = *ex;
 
     let crd = repo_root().join("crds/pddeployment.yaml");
     env.kubectl
@@ -128,7 +165,22 @@ pub async fn run(env: &Env) -> Result<()> {
     }
 
     // The client Service's EndpointSlice: exactly the decode pods of Ready groups, each
-    // answering a chat request.
+    // answering a chat request. The endpoint controller lists a decode a moment after the
+    // operator opens its gate (as in scenarios 4 and 5): waited for, with a bound.
+    tandem_e2e::wait::until_seen(
+        "a ready client endpoint per Ready group",
+        Duration::from_secs(15),
+        Duration::from_millis(200),
+        || async {
+            let ready = ready_endpoint_pods(env, ns, &name).await?;
+            Ok(if ready.len() as i32 == groups {
+                Ok(())
+            } else {
+                Err(ready)
+            })
+        },
+    )
+    .await?;
     let eps = endpoints(env, ns, &name).await?;
     let ready: Vec<&Endpoint> = eps.iter().filter(|e| e.ready).collect();
     let decode_pods: Vec<String> = all
@@ -153,6 +205,13 @@ pub async fn run(env: &Env) -> Result<()> {
         );
     }
 
+    Ok(())
+}
+
+/// Deletes the example, then the claim and the volume the harness provided, once the
+/// garbage collector has removed the pods.
+async fn remove(env: &Env, ex: &Example<'_>) -> Result<()> {
+    let (ns, manifest, name) = (ex.ns, ex.manifest, ex.name);
     env.kubectl
         .ok(&[
             "delete",
@@ -161,8 +220,6 @@ pub async fn run(env: &Env) -> Result<()> {
             "--wait=true",
         ])
         .await?;
-    // Leave `default` as a user's cluster was before the example: the claim and the
-    // volume the harness provided go once the garbage collector has removed the pods.
     tandem_e2e::wait::until(
         "the example's pods to be gone",
         Duration::from_secs(90),
@@ -176,6 +233,5 @@ pub async fn run(env: &Env) -> Result<()> {
     env.kubectl
         .ok(&["delete", "pv", "e2e-models-default", "--timeout=60s"])
         .await?;
-    op.stop().await?;
     Ok(())
 }
