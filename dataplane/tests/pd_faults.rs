@@ -301,20 +301,22 @@ fn a_prefill_longer_than_the_kv_timeout_succeeds_while_a_silent_one_times_out() 
     let env = pd_env(&[("TANDEM_KV_TIMEOUT_SECONDS", "2")]);
     let kv = free_port();
     let kv_arg = kv.to_string();
-    // Tiny chunks: many engine steps per prompt, as on a busy prefill, so the prefill
-    // takes several KV timeouts even on a fast machine.
+    // Tiny chunks (2 tokens) and ~640 tokens: many engine steps per prompt, as on a busy
+    // prefill, so the prefill takes several KV timeouts even on a fast machine (about
+    // 10 s on the 2-core dev machine; 400 tokens in chunks of 4 once took only 3.7 s).
     let mut prefill = Server::spawn(
         &["--role", "prefill", "--kv-port", &kv_arg],
-        &["--chunk-size", "4"],
+        &["--chunk-size", "2"],
         &env,
     );
     prefill.wait_ready();
     let decode = start_decode(&[kv], &env, true);
-    let long = "one two three four five six seven eight ".repeat(50);
+    let long = "one two three four five six seven eight ".repeat(80);
     let body = json!({"model": MODEL_NAME, "prompt": long, "max_tokens": 2, "temperature": 0});
     let t = Instant::now();
     let r = decode.post("/v1/completions", &body);
     let took = t.elapsed();
+    eprintln!("long prefill took {took:?}");
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(
         took > Duration::from_secs(4),
@@ -329,7 +331,7 @@ fn a_prefill_longer_than_the_kv_timeout_succeeds_while_a_silent_one_times_out() 
 
     // As long a prompt to a prefill that goes silent mid-prefill (SIGSTOP). Another one:
     // the first is in both prefix caches now and would be answered at once.
-    let other = "nine ten eleven twelve thirteen fourteen fifteen sixteen ".repeat(50);
+    let other = "nine ten eleven twelve thirteen fourteen fifteen sixteen ".repeat(80);
     let body = json!({"model": MODEL_NAME, "prompt": other, "max_tokens": 2, "temperature": 0});
     let addr = decode.addr;
     let b = body.to_string();
