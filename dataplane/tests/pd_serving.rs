@@ -346,18 +346,26 @@ fn abort_cascade_frees_blocks_on_both_sides() {
     // prefill sometimes finished every room first: no abort to check).
     let long = "Tell me everything about dragons, castles and knights. ".repeat(40);
     let n = 8;
-    // Half the clients vanish right after sending (their rooms are still in prefill), half
+    let start = |i: usize| {
+        let body = json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": format!("{i} {long}")}],
+                          "max_tokens": 200, "temperature": 0, "stream": true})
+        .to_string();
+        send(decode.addr, "POST", "/v1/chat/completions", Some(&body))
+    };
+    // Client 0 alone first, gone the moment its room is open: a room certainly aborted in
+    // prefill, however fast the machine prefills. (The decode reserves a sequence's KV
+    // before its room opens, so with this pool the rooms open one after another, and
+    // clients that vanish right after sending often leave before theirs opened.)
+    let first = start(0);
+    decode.wait_for("client 0's room opened", Duration::from_secs(30), |s| {
+        s.metric("tandem_kv_rooms_opened_total ") >= 1.0
+    });
+    drop(first);
+    // Then half the clients vanish right after sending (in the queue or in prefill), half
     // after the first streamed chunks (their sequences are decoding).
-    let streams: Vec<_> = (0..n)
-        .map(|i| {
-            let body = json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": format!("{i} {long}")}],
-                              "max_tokens": 200, "temperature": 0, "stream": true})
-            .to_string();
-            send(decode.addr, "POST", "/v1/chat/completions", Some(&body))
-        })
-        .collect();
+    let streams: Vec<_> = (1..n).map(start).collect();
     let mut read_some = 0;
-    for (i, s) in streams.into_iter().enumerate() {
+    for (i, s) in (1..n).zip(streams) {
         if i % 2 == 0 {
             drop(s);
             continue;

@@ -26,8 +26,10 @@ use crate::reference::ScalarKernels;
 use crate::types::GgmlType;
 
 /// Positions per chunk of a per-query task: two 16-token blocks, whose K (or V) rows for
-/// all heads (12 KB for SmolLM2 with F16 KV) stay in L1 while every head uses them.
-pub(crate) const CHUNK: usize = 32;
+/// all heads (12 KB for SmolLM2 with F16 KV) stay in L1 while every head uses them. A
+/// multiple of 8, the scores kernel's group of rows, so chunking never regroups a row.
+#[cfg(target_arch = "x86_64")]
+const CHUNK: usize = 32;
 
 /// One attention call, as every task reads it.
 struct Call<'a> {
