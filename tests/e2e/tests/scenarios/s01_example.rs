@@ -87,7 +87,7 @@ async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
         .await
         .context("applying the example")?;
 
-    let p = wait_ready(env, ns, &name, groups, Duration::from_secs(180)).await?;
+    let p = wait_ready(env, ns, name, groups, Duration::from_secs(180)).await?;
 
     // Conditions.
     for (t, want) in [
@@ -122,13 +122,13 @@ async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
         .collect();
     let g = groups.to_string();
     ensure!(
-        row.len() == 6 && row[..5] == [name.as_str(), &g, &g, &g, "True"],
+        row.len() == 6 && row[..5] == [name, &g, &g, &g, "True"],
         "kubectl get pdd row: {row:?}"
     );
 
     // Pod DNS: each decode was told its prefill by name, and that name resolves, inside
     // the decode's own network namespace, to the prefill pod's address.
-    let all = pods(env, ns, &name).await?;
+    let all = pods(env, ns, name).await?;
     for d in all.iter().filter(|p| role(p) == "decode") {
         let args = d.spec.as_ref().unwrap().containers[0]
             .args
@@ -139,7 +139,7 @@ async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
             .skip_while(|a| *a != "--prefill")
             .nth(1)
             .context("decode has --prefill")?;
-        let prefill = member(env, ns, &name, group(d), "prefill").await?;
+        let prefill = member(env, ns, name, group(d), "prefill").await?;
         let want_ip = pod_ip(&prefill).context("prefill IP")?;
         for peer in peers.split(',') {
             let host = peer.rsplit_once(':').map(|(h, _)| h).unwrap_or(peer);
@@ -172,7 +172,7 @@ async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
         Duration::from_secs(15),
         Duration::from_millis(200),
         || async {
-            let ready = ready_endpoint_pods(env, ns, &name).await?;
+            let ready = ready_endpoint_pods(env, ns, name).await?;
             Ok(if ready.len() as i32 == groups {
                 Ok(())
             } else {
@@ -181,7 +181,7 @@ async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
         },
     )
     .await?;
-    let eps = endpoints(env, ns, &name).await?;
+    let eps = endpoints(env, ns, name).await?;
     let ready: Vec<&Endpoint> = eps.iter().filter(|e| e.ready).collect();
     let decode_pods: Vec<String> = all
         .iter()
@@ -198,7 +198,7 @@ async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
             decode_pods.contains(&e.pod),
             "endpoint {e:?} is not a decode pod"
         );
-        let text = chat_model(&e.ip, &model, Duration::from_secs(60)).await?;
+        let text = chat_model(&e.ip, model, Duration::from_secs(60)).await?;
         figure(
             &format!("chat via endpoint {} ({})", e.ip, e.pod),
             format!("{text:?}"),
@@ -224,7 +224,7 @@ async fn remove(env: &Env, ex: &Example<'_>) -> Result<()> {
         "the example's pods to be gone",
         Duration::from_secs(90),
         Duration::from_millis(500),
-        || async { Ok(pods(env, ns, &name).await?.is_empty().then_some(())) },
+        || async { Ok(pods(env, ns, name).await?.is_empty().then_some(())) },
     )
     .await?;
     env.kubectl
