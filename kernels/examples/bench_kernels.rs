@@ -125,7 +125,38 @@ fn main() {
         for &nq in &levels {
             attention_level(&k, &mut rng, reps, &s, ty, nq);
         }
+        attention_prefill(&k, &mut rng, reps, &s, ty);
     }
+}
+
+/// Times the attention of a 512-token prompt in one step: 512 queries of one sequence,
+/// query t seeing positions 0..=t.
+fn attention_prefill(k: &CpuKernels, rng: &mut Rng, reps: usize, s: &AttnShape, ty: GgmlType) {
+    let (bt, n) = (16usize, 512usize);
+    let table: Vec<u32> = (0..(n / bt) as u32).collect();
+    let queries: Vec<AttnQuery> = (0..n)
+        .map(|t| AttnQuery {
+            block_table: &table,
+            n_ctx: t + 1,
+        })
+        .collect();
+    let q = rng.vec(n * s.q_dim());
+    let mut out = vec![0f32; q.len()];
+    let kp = encode(rng, ty, n, s.kv_dim());
+    let vp = encode(rng, ty, n, s.kv_dim());
+    let view = |data| KvView {
+        ty,
+        data,
+        block_tokens: bt,
+    };
+    let ms = time(reps, || {
+        k.attention(s, &q, &queries, &view(&kp), &view(&vp), &mut out)
+            .unwrap();
+    });
+    println!(
+        "attention {ty} prefill of {n} tokens: one layer {ms:7.3} ms (x30 = {:6.1})",
+        ms * 30.0
+    );
 }
 
 /// Times attention of `nq` queries over `ATTN_CTX` (480) positions each: one layer hot, and 30
