@@ -203,8 +203,7 @@ fn attention_level(
             block_tokens: bt,
         }
     }
-    let (kp, vp) = &layers[0];
-    let hot = time(reps, || {
+    let mut layer = |(kp, vp): &(Vec<u8>, Vec<u8>)| {
         k.attention(
             s,
             &q,
@@ -214,20 +213,9 @@ fn attention_level(
             &mut out,
         )
         .unwrap();
-    });
-    let cold = time(reps.div_ceil(4), || {
-        for (kp, vp) in &layers {
-            k.attention(
-                s,
-                &q,
-                &queries,
-                &view(ty, kp, bt),
-                &view(ty, vp, bt),
-                &mut out,
-            )
-            .unwrap();
-        }
-    });
+    };
+    let hot = time(reps, || layer(&layers[0]));
+    let cold = time(reps.div_ceil(4), || layers.iter().for_each(&mut layer));
     println!(
         "attention {ty} C={nq:2} x {ctx}: one layer {hot:7.3} ms (x30 = {:6.1}), \
          30 layers from DRAM {cold:7.2} ms",
