@@ -8,7 +8,8 @@
 use std::time::Instant;
 
 use tandem_kernels::{
-    AttnQuery, AttnShape, CpuKernels, CpuOptions, GgmlType, Kernels, KvView, Matrix, quantize_row,
+    AttnQuery, AttnShape, CpuKernels, CpuOptions, GgmlType, Kernels, KvView, Layout, Matrix,
+    quantize_row,
 };
 
 /// Minimum wall time over `reps` runs of `f`, in ms.
@@ -75,40 +76,57 @@ fn main() {
     ];
     // ONLY=attention skips the matmuls (quick attention experiments).
     let only_attention = std::env::var("ONLY").is_ok_and(|v| v == "attention");
+    // Each shape in GGUF layout and in the CPU backend's 8-row interleave (what serving
+    // multiplies). The matrices are reused across reps, so they come from cache: see
+    // `bench_engine` for the whole model streamed from DRAM.
     for n_tok in [1usize, 32] {
         if only_attention {
             break;
         }
-        let mut layer_total = 0.0;
+        let mut layer_total = [0.0; 2];
         for (name, ty, rows, cols) in shapes {
             let data: Vec<Vec<u8>> = rows
                 .iter()
                 .map(|&r| encode(&mut rng, ty, r, cols))
                 .collect();
-            let ms: Vec<Matrix> = rows
+            let gguf: Vec<Matrix> = rows
                 .iter()
                 .zip(&data)
                 .map(|(&r, d)| Matrix::new(ty, r, cols, d).unwrap())
                 .collect();
+            let packed: Vec<Vec<u8>> = gguf.iter().map(|m| m.to_rows8().unwrap()).collect();
+            let rows8: Vec<Matrix> = rows
+                .iter()
+                .zip(&packed)
+                .map(|(&r, d)| Matrix::with_layout(ty, r, cols, d, Layout::Rows8).unwrap())
+                .collect();
             let x = rng.vec(n_tok * cols);
             let mut outs: Vec<Vec<f32>> = rows.iter().map(|&r| vec![0f32; r * n_tok]).collect();
-            let ms_ = time(reps, || {
-                let mut o: Vec<&mut [f32]> = outs.iter_mut().map(|v| &mut v[..]).collect();
-                k.matmul(&ms, &x, n_tok, &mut o).unwrap();
-            });
             let macs = rows.iter().sum::<usize>() * cols * n_tok;
-            println!(
-                "matmul {name:8} T={n_tok:2}: {ms_:8.3} ms  {:6.1} G MAC/s",
-                macs as f64 / ms_ / 1e6
-            );
-            if name != "output" {
-                layer_total += ms_;
+            for (i, (layout, ms)) in [("gguf", &gguf), ("rows8", &rows8)].into_iter().enumerate() {
+                let ms_ = time(reps, || {
+                    let mut o: Vec<&mut [f32]> = outs.iter_mut().map(|v| &mut v[..]).collect();
+                    k.matmul(ms, &x, n_tok, &mut o).unwrap();
+                });
+                println!(
+                    "matmul {name:8} {layout:5} T={n_tok:2}: {ms_:8.3} ms  {:6.1} G MAC/s",
+                    macs as f64 / ms_ / 1e6
+                );
+                if name != "output" {
+                    layer_total[i] += ms_;
+                }
             }
         }
         println!(
-            "  layer matmuls T={n_tok}: {layer_total:.3} ms, x30 = {:.1} ms",
-            layer_total * 30.0
+            "  layer matmuls T={n_tok}: gguf {:.3} ms (x30 = {:.1} ms), rows8 {:.3} ms (x30 = {:.1} ms)",
+            layer_total[0],
+            layer_total[0] * 30.0,
+            layer_total[1],
+            layer_total[1] * 30.0
         );
+    }
+    if !only_attention {
+        model_matmuls(&k, &mut rng, reps.div_ceil(4));
     }
     // Attention: C queries over 480 positions each, 9 heads / 3 KV heads, as a decode step
     // at C = 1, 4 and 32 sees it. `ATTN_C=1,32` picks the levels, `ATTN_CTX` the context.
@@ -221,4 +239,81 @@ fn attention_level(
          30 layers from DRAM {cold:7.2} ms",
         hot * 30.0
     );
+}
+
+/// A whole model's matrices as one decode step multiplies them: 30 distinct layers (66 MB
+/// of Q4_1, so they come from DRAM as in serving) and the Q8_0 output, at T = 1, 8 and 32
+/// tokens, in GGUF layout and in the 8-row interleave; the two layouts alternate rep by
+/// rep, so drift hits both alike.
+fn model_matmuls(k: &CpuKernels, rng: &mut Rng, reps: usize) {
+    let (dim, q, kv, ffn, vocab) = (576usize, 576usize, 192usize, 1536usize, 49152usize);
+    let ty = GgmlType::Q4_1;
+    // Per layer: (rows of each matrix sharing one input, cols).
+    let layer: [(&[usize], usize); 4] = [
+        (&[q, kv, kv], dim),
+        (&[dim], q),
+        (&[ffn, ffn], dim),
+        (&[dim], ffn),
+    ];
+    let mut gguf: Vec<(GgmlType, usize, usize, Vec<u8>)> = Vec::new();
+    // Matrices per call: those sharing an input go in one call, as the forward pass does.
+    let mut calls = Vec::new();
+    for _ in 0..30 {
+        for (rows, cols) in layer {
+            for &r in rows {
+                gguf.push((ty, r, cols, encode(rng, ty, r, cols)));
+            }
+            calls.push(rows.len());
+        }
+    }
+    calls.push(1);
+    gguf.push((
+        GgmlType::Q8_0,
+        vocab,
+        dim,
+        encode(rng, GgmlType::Q8_0, vocab, dim),
+    ));
+    let rows8: Vec<Vec<u8>> = gguf
+        .iter()
+        .map(|(t, r, c, d)| Matrix::new(*t, *r, *c, d).unwrap().to_rows8().unwrap())
+        .collect();
+    let mats = |layout: Layout| -> Vec<Matrix<'_>> {
+        gguf.iter()
+            .zip(&rows8)
+            .map(|((t, r, c, d), p)| match layout {
+                Layout::Gguf => Matrix::new(*t, *r, *c, d).unwrap(),
+                Layout::Rows8 => Matrix::with_layout(*t, *r, *c, p, layout).unwrap(),
+            })
+            .collect()
+    };
+    let (mg, mp) = (mats(Layout::Gguf), mats(Layout::Rows8));
+    for n_tok in [1usize, 8, 32] {
+        let x = rng.vec(n_tok * ffn);
+        let mut outs: Vec<Vec<f32>> = gguf
+            .iter()
+            .map(|(_, r, _, _)| vec![0f32; n_tok * r])
+            .collect();
+        let mut step = |ms: &[Matrix<'_>]| {
+            let t = Instant::now();
+            let mut i = 0;
+            for &n in &calls {
+                let cols = ms[i].cols;
+                let mut o: Vec<&mut [f32]> =
+                    outs[i..i + n].iter_mut().map(|v| &mut v[..]).collect();
+                k.matmul(&ms[i..i + n], &x[..n_tok * cols], n_tok, &mut o)
+                    .unwrap();
+                i += n;
+            }
+            t.elapsed().as_secs_f64() * 1e3
+        };
+        let (mut bg, mut bp) = (f64::MAX, f64::MAX);
+        for _ in 0..reps {
+            bg = bg.min(step(&mg));
+            bp = bp.min(step(&mp));
+        }
+        println!(
+            "model matmuls (30 layers + output, from DRAM) T={n_tok:2}: gguf {bg:7.2} ms, rows8 {bp:7.2} ms ({:.2}x)",
+            bg / bp
+        );
+    }
 }

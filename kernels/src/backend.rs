@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use crate::api::{AttnQuery, AttnShape, Matrix};
+use crate::api::{AttnQuery, AttnShape, Layout, Matrix};
 use crate::error::{Result, shape};
 use crate::rope::RopeTable;
 use crate::types::GgmlType;
@@ -26,9 +26,9 @@ use crate::types::GgmlType;
 /// Bytes that outlive any borrow: a mapped model file or an owned buffer.
 pub type SharedBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
 
-/// A weight matrix as stored in GGUF, inside bytes the matrix keeps alive (typically the
-/// mapped model file), so that a backend can hold it without copying (the CPU) or upload
-/// it once (CUDA).
+/// A weight matrix inside bytes the matrix keeps alive: as stored in GGUF, in the mapped
+/// model file, so that a backend can hold it without copying or upload it once (CUDA);
+/// or a backend's own repacked copy ([`HostMatrix::to_layout`], the CPU).
 #[derive(Clone)]
 pub struct HostMatrix {
     pub ty: GgmlType,
@@ -37,6 +37,7 @@ pub struct HostMatrix {
     bytes: SharedBytes,
     start: usize,
     len: usize,
+    layout: Layout,
 }
 
 impl std::fmt::Debug for HostMatrix {
@@ -47,6 +48,7 @@ impl std::fmt::Debug for HostMatrix {
             .field("cols", &self.cols)
             .field("start", &self.start)
             .field("len", &self.len)
+            .field("layout", &self.layout)
             .finish()
     }
 }
@@ -80,7 +82,44 @@ impl HostMatrix {
             bytes,
             start,
             len,
+            layout: Layout::Gguf,
         })
+    }
+
+    /// This matrix in `layout`: itself when it already is, else an owned repacked copy
+    /// (which then no longer reads the bytes it came from). A layout the type cannot take
+    /// is an error naming both.
+    pub fn to_layout(&self, layout: Layout) -> Result<Self> {
+        if layout == self.layout {
+            return Ok(self.clone());
+        }
+        let m = self.matrix();
+        let bytes = match layout {
+            Layout::Rows8 => m.to_rows8(),
+            Layout::Gguf => Some(m.to_gguf().into_owned()),
+        }
+        .ok_or_else(|| {
+            shape(
+                "HostMatrix::to_layout",
+                format!("{} has no {layout:?} layout", m.ty),
+            )
+        })?;
+        // Checks the size the layout needs.
+        Matrix::with_layout(m.ty, m.rows, m.cols, &bytes, layout)?;
+        let len = bytes.len();
+        Ok(Self {
+            ty: self.ty,
+            rows: self.rows,
+            cols: self.cols,
+            bytes: Arc::new(bytes),
+            start: 0,
+            len,
+            layout,
+        })
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// The whole of `bytes` as one matrix (tests, small models held in memory).
@@ -96,6 +135,7 @@ impl HostMatrix {
             rows: self.rows,
             cols: self.cols,
             data: &(*self.bytes).as_ref()[self.start..self.start + self.len],
+            layout: self.layout,
         }
     }
 
@@ -257,7 +297,8 @@ impl StepDesc {
 pub trait Backend {
     /// f32 activations (and norm weights).
     type Buf;
-    /// A weight matrix in its GGUF layout.
+    /// A weight matrix in the backend's form (GGUF bytes or a repacked copy on the host,
+    /// a device copy on a GPU).
     type Weight;
     /// Rope cos/sin table.
     type Rope;
@@ -279,6 +320,18 @@ pub trait Backend {
     /// The first `n` values of `buf` on the host.
     fn to_host(&self, buf: &Self::Buf, n: usize) -> Result<Vec<f32>>;
     fn load_weight(&self, m: &HostMatrix) -> Result<Self::Weight>;
+    /// Whether the weight [`Backend::load_weight`] makes of `m` keeps reading `m`'s bytes.
+    /// When it does not (a repacked or uploaded copy), the caller may drop those bytes'
+    /// pages from memory.
+    fn holds_host_bytes(&self, m: &HostMatrix) -> bool {
+        let _ = m;
+        true
+    }
+    /// A matrix only ever read a row at a time by [`Backend::embed`] (an untied token
+    /// embedding): a backend that repacks weights for its products need not.
+    fn load_table(&self, m: &HostMatrix) -> Result<Self::Weight> {
+        self.load_weight(m)
+    }
     fn load_rope(&self, table: &RopeTable) -> Result<Self::Rope>;
     fn alloc_kv(&self, spec: &PagedKvSpec) -> Result<Self::Kv>;
     /// Scratch for products of up to `values` input values (tokens × columns).

@@ -15,7 +15,8 @@
 //!   call) so that tests hold every GPU kernel against [`ScalarKernels`].
 //!
 //! Weights come from GGUF as [`HostMatrix`] / [`Matrix`] (type, shape, bytes as stored);
-//! a backend keeps them as they are (CPU) or uploads them once (CUDA).
+//! a backend repacks them once into the [`Layout`] its kernels read fastest (the CPU's
+//! 8-row interleave) or uploads them once (CUDA).
 
 mod api;
 mod backend;
@@ -29,7 +30,7 @@ mod reference;
 mod rope;
 mod types;
 
-pub use api::{AttnQuery, AttnShape, Kernels, KvView, Matrix};
+pub use api::{AttnQuery, AttnShape, Kernels, KvView, Layout, Matrix};
 pub use backend::{Backend, HostMatrix, PagedKvSpec, SharedBytes, StepDesc, StepSeq};
 pub use cpu::{CpuBackend, CpuKernels, CpuOptions, HostKv};
 pub use error::{Error, Result};

@@ -54,11 +54,11 @@ impl Kernels for ScalarKernels {
             for r in 0..w.rows {
                 let row = w.row(r);
                 if !w.ty.is_quantized() {
-                    dequantize_row(w.ty, row, &mut row_f32)?;
+                    dequantize_row(w.ty, &row, &mut row_f32)?;
                 }
                 for t in 0..n_tok {
                     out[t * w.rows + r] = if w.ty.is_quantized() {
-                        vec_dot_q8(w.ty, row, &act[t * nb..(t + 1) * nb])
+                        vec_dot_q8(w.ty, &row, &act[t * nb..(t + 1) * nb])
                     } else {
                         dot(&row_f32, &x[t * cols..(t + 1) * cols])
                     };

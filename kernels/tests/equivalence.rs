@@ -6,8 +6,8 @@
 //! values of order 1.
 
 use tandem_kernels::{
-    AttnQuery, AttnShape, CpuKernels, GgmlType, Kernels, KvView, Matrix, RopeStyle, RopeTable,
-    ScalarKernels, dequantize_row, quantize_row,
+    AttnQuery, AttnShape, CpuKernels, GgmlType, Kernels, KvView, Layout, Matrix, RopeStyle,
+    RopeTable, ScalarKernels, dequantize_row, quantize_row,
 };
 
 struct Rng(u64);
@@ -67,7 +67,7 @@ fn matmul_matches_reference_for_every_type_and_batch_size() {
             let m = Matrix::new(ty, rows, cols, &bytes).unwrap();
             let mut deq = vec![0f32; rows * cols];
             for r in 0..rows {
-                dequantize_row(ty, m.row(r), &mut deq[r * cols..(r + 1) * cols]).unwrap();
+                dequantize_row(ty, &m.row(r), &mut deq[r * cols..(r + 1) * cols]).unwrap();
             }
             for n_tok in [1usize, 2, 3, 4, 5, 8, 9, 16, 17, 24, 29, 33, 35] {
                 let x = rng.vec(n_tok * cols, 2.0);
@@ -153,6 +153,49 @@ fn matmul_of_several_matrices_shares_one_input() {
         ScalarKernels.matmul(&[mb], &x, 3, &mut [&mut rb]).unwrap();
         for (a, b) in oa.iter().zip(&ra).chain(ob.iter().zip(&rb)) {
             assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
+    }
+}
+
+/// Weights repacked 8 rows at a time ([`Layout::Rows8`], what the CPU backend multiplies
+/// when it has SIMD) give every backend exactly the bits of the GGUF rows: the same blocks
+/// in the same order, only read from other addresses. Row counts cover whole groups,
+/// padded last groups and a single row; token counts the single-token kernel, every
+/// batch tile remainder, and several matrices of both layouts in one call.
+#[test]
+fn rows8_weights_give_the_bits_of_gguf_rows() {
+    let mut rng = Rng(77);
+    let mut all: Vec<(&'static str, Box<dyn Kernels>)> = backends();
+    all.push(("scalar", Box::new(ScalarKernels)));
+    let simd = CpuKernels::with_simd(true);
+    for ty in GgmlType::ALL.into_iter().filter(|t| t.is_quantized()) {
+        let want = if simd.has_simd() {
+            Layout::Rows8
+        } else {
+            Layout::Gguf
+        };
+        assert_eq!(simd.weight_layout(ty), want, "{ty}");
+        for &(rows, cols) in &[(1usize, 64usize), (13, 64), (40, 576), (37, 1536)] {
+            let bytes = encode(ty, rows, cols, &rng.vec(rows * cols, 0.5));
+            let m = Matrix::new(ty, rows, cols, &bytes).unwrap();
+            let packed = m.to_rows8().unwrap();
+            let p = Matrix::with_layout(ty, rows, cols, &packed, Layout::Rows8).unwrap();
+            let other = encode(ty, 24, cols, &rng.vec(24 * cols, 0.5));
+            let o = Matrix::new(ty, 24, cols, &other).unwrap();
+            for n_tok in [1usize, 2, 5, 8, 9, 17, 33] {
+                let x = rng.vec(n_tok * cols, 2.0);
+                for (name, k) in &all {
+                    let run = |w: Matrix<'_>| {
+                        let (mut a, mut b) = (vec![f32::NAN; n_tok * rows], vec![0f32; n_tok * 24]);
+                        k.matmul(&[w, o], &x, n_tok, &mut [&mut a, &mut b]).unwrap();
+                        (a, b)
+                    };
+                    let ((g, go), (q, qo)) = (run(m), run(p));
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&g), bits(&q), "{name} {ty} {rows}x{cols} T={n_tok}");
+                    assert_eq!(bits(&go), bits(&qo), "{name} {ty}: the other matrix");
+                }
+            }
         }
     }
 }

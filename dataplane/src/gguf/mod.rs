@@ -225,4 +225,23 @@ impl Gguf {
     pub fn bytes(&self) -> &[u8] {
         self.storage.bytes()
     }
+
+    /// Drop the process's resident pages of `bytes()[start..start + len]` (a tensor a
+    /// backend has copied and no longer reads), so that a repacked or uploaded model is
+    /// not counted twice in the RSS. Reading the range again is still correct: the pages
+    /// fault back in from the file. Owned storage has nothing to drop.
+    pub fn release_pages(&self, start: usize, len: usize) -> std::io::Result<()> {
+        match &*self.storage {
+            Storage::Owned(_) => Ok(()),
+            Storage::Mmap(m) => {
+                // SAFETY: the mapping is read-only and private (`Mmap::map`), so this
+                // process never wrote to it: MADV_DONTNEED only unmaps clean pages, which
+                // refault with the same file contents, and no reference sees a change.
+                #[allow(unsafe_code)]
+                unsafe {
+                    m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len)
+                }
+            }
+        }
+    }
 }

@@ -294,3 +294,49 @@ fn reads_the_real_model() {
         "SmolLM2 ties its output embedding"
     );
 }
+
+/// A repacked model drops the mapped pages of the tensors it copied; reading them again
+/// still gives the file's bytes (they fault back in), and the pages leave the RSS.
+#[test]
+fn released_pages_read_back_unchanged_and_leave_the_rss() {
+    let g = Gguf::open(&crate::test_support::model_path()).unwrap();
+    let t = g.tensor("token_embd.weight").unwrap();
+    let start = g.header().data_offset + t.offset as usize;
+    let sum = |g: &Gguf| -> u64 { g.tensor_data(t).iter().map(|b| *b as u64).sum() };
+    let mapped_rss_kb = || -> u64 {
+        // This mapping's resident size, from the line after its address range.
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let base = g.bytes().as_ptr() as usize;
+        let mut lines = smaps.lines();
+        while let Some(l) = lines.next() {
+            let range = l.split_whitespace().next().unwrap_or("");
+            if let Some((a, _)) = range.split_once('-')
+                && usize::from_str_radix(a, 16) == Ok(base)
+            {
+                return lines
+                    .find_map(|l| l.strip_prefix("Rss:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+                    .unwrap();
+            }
+        }
+        panic!("mapping at {base:#x} not in smaps");
+    };
+    let before = sum(&g);
+    let touched = mapped_rss_kb();
+    assert!(
+        touched * 1024 >= t.n_bytes as u64 / 2,
+        "{touched} kB resident after reading"
+    );
+    g.release_pages(start, t.n_bytes).unwrap();
+    let released = mapped_rss_kb();
+    assert!(
+        released * 1024 + t.n_bytes as u64 / 2 <= touched * 1024,
+        "{touched} kB before, {released} kB after releasing {} bytes",
+        t.n_bytes
+    );
+    assert_eq!(sum(&g), before, "the bytes fault back in unchanged");
+    // Owned files have nothing to release.
+    let owned =
+        Gguf::from_bytes(std::fs::read(crate::test_support::model_path()).unwrap()).unwrap();
+    owned.release_pages(start, t.n_bytes).unwrap();
+}

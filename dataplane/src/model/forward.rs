@@ -39,17 +39,33 @@ pub struct ModelWeights<B: Backend> {
 impl<B: Backend> ModelWeights<B> {
     pub fn load(b: &B, w: &Weights, cfg: &LlamaConfig, rope: &RopeTable) -> Result<Self> {
         let bytes = w.bytes();
-        let load = |name: &str, r: &super::weights::WeightRef| {
-            r.host(&bytes)
-                .and_then(|m| b.load_weight(&m))
-                .with_context(|| format!("loading {name} onto the {} backend", b.name()))
+        let load = |name: &str, r: &super::weights::WeightRef| -> Result<B::Weight> {
+            let what = || format!("loading {name} onto the {} backend", b.name());
+            let m = r.host(&bytes).with_context(what)?;
+            let loaded = b.load_weight(&m).with_context(what)?;
+            // A copy (repacked, uploaded) no longer reads the file: its pages can go.
+            if !b.holds_host_bytes(&m) {
+                w.release(name, r);
+            }
+            Ok(loaded)
         };
         let vector = |name: &str, v: &[f32]| {
             b.upload(v)
                 .with_context(|| format!("loading {name} onto the {} backend", b.name()))
         };
-        let token_embd = load("token_embd.weight", &w.token_embd)?;
-        let output = if w.output.same_place(&w.token_embd) {
+        let tied = w.output.same_place(&w.token_embd);
+        let token_embd = if tied {
+            load("token_embd.weight", &w.token_embd)?
+        } else {
+            // Only looked up a row at a time: no repacking for products.
+            w.token_embd
+                .host(&bytes)
+                .and_then(|m| b.load_table(&m))
+                .with_context(|| {
+                    format!("loading token_embd.weight onto the {} backend", b.name())
+                })?
+        };
+        let output = if tied {
             None
         } else {
             Some(load("output.weight", &w.output)?)

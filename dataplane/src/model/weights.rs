@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use tandem_kernels::{GgmlType, HostMatrix, Matrix, SharedBytes, dequantize_row};
+use tandem_kernels::{GgmlType, HostMatrix, Layout, Matrix, SharedBytes, dequantize_row};
 
 use super::config::LlamaConfig;
 use crate::gguf::{Gguf, GgufError};
@@ -42,6 +42,7 @@ impl WeightRef {
             rows: self.rows,
             cols: self.cols,
             data: &file[self.start..self.start + self.len],
+            layout: Layout::Gguf,
         }
     }
 }
@@ -147,5 +148,13 @@ impl Weights {
     /// The mapped file as bytes that backends may hold on to.
     pub fn bytes(&self) -> SharedBytes {
         self.gguf.clone()
+    }
+
+    /// `r`'s pages are no longer read (its backend copied it): drop them from the RSS.
+    /// Best effort: a refusal costs memory, not correctness, so it is logged, not raised.
+    pub fn release(&self, name: &str, r: &WeightRef) {
+        if let Err(e) = self.gguf.release_pages(r.start, r.len) {
+            tracing::warn!(tensor = name, error = %e, "could not release the mapped pages of a copied weight");
+        }
     }
 }

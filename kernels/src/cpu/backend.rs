@@ -1,5 +1,6 @@
 //! [`CpuBackend`]: the [`Backend`] trait on host memory. Buffers are `Vec<f32>`, weights
-//! are [`HostMatrix`] views into the mapped model file (never copied), the KV pools are
+//! are [`HostMatrix`] in the layout the kernels read fastest (a repacked copy of the
+//! mapped file's bytes, or views into it for the layouts kept as stored), the KV pools are
 //! [`HostKv`], and every kernel is a [`Kernels`] implementation's (the optimized
 //! [`super::CpuKernels`] when serving, [`crate::ScalarKernels`] or exact-activation
 //! variants in tests), called on exactly the prefix of each buffer a step uses.
@@ -167,7 +168,18 @@ impl Backend for CpuBackend {
         Ok(prefix("to_host", "buffer", buf, n)?.to_vec())
     }
 
+    /// Repacked once into the layout the kernels multiply fastest (a copy of the mapped
+    /// bytes when that is not GGUF's; the mapping's pages are then not read again).
     fn load_weight(&self, m: &HostMatrix) -> Result<HostMatrix> {
+        m.to_layout(self.kernels.weight_layout(m.ty))
+    }
+
+    fn holds_host_bytes(&self, m: &HostMatrix) -> bool {
+        self.kernels.weight_layout(m.ty) == m.layout()
+    }
+
+    /// Embedding lookups read a row per token: the mapped bytes as they are.
+    fn load_table(&self, m: &HostMatrix) -> Result<HostMatrix> {
         Ok(m.clone())
     }
 
@@ -221,7 +233,8 @@ impl Backend for CpuBackend {
             if t as usize >= m.rows {
                 return Err(shape("embed", format!("token {t} of {}", m.rows)));
             }
-            dequantize_row(m.ty, m.row(t as usize), row)?;
+            // A tied table may be repacked for the output product: `row` gathers it.
+            dequantize_row(m.ty, &m.row(t as usize), row)?;
         }
         Ok(())
     }
@@ -454,6 +467,7 @@ impl Backend for CpuBackend {
 mod tests {
     use super::*;
     use crate::ScalarKernels;
+    use crate::api::Layout;
     use crate::types::GgmlType;
 
     fn spec(n_blocks: usize) -> PagedKvSpec {
@@ -508,6 +522,44 @@ mod tests {
             b.kv_gather(&kv2, &[0], 6, &mut again).is_err(),
             "short table"
         );
+    }
+
+    #[test]
+    fn weights_are_repacked_for_the_simd_kernels_and_tables_are_not() {
+        let (rows, cols) = (13, 64);
+        let ty = GgmlType::Q8_0;
+        let rb = ty.row_bytes(cols).unwrap();
+        let mut bytes = vec![0u8; rows * rb];
+        for (r, row) in bytes.chunks_mut(rb).enumerate() {
+            let x: Vec<f32> = (0..cols).map(|c| (r * cols + c) as f32 * 0.01).collect();
+            quantize_row(ty, &x, row).unwrap();
+        }
+        let m = HostMatrix::owned(ty, rows, cols, bytes).unwrap();
+        let simd = crate::CpuKernels::with_simd(true);
+        let packs = simd.has_simd();
+        for (b, repacked) in [
+            (CpuBackend::new(Arc::new(simd)), packs),
+            (CpuBackend::new(Arc::new(ScalarKernels)), false),
+        ] {
+            let w = b.load_weight(&m).unwrap();
+            let want = if repacked {
+                Layout::Rows8
+            } else {
+                Layout::Gguf
+            };
+            assert_eq!(w.layout(), want, "{}", b.name());
+            assert_eq!(b.holds_host_bytes(&m), !repacked, "{}", b.name());
+            assert_eq!(b.load_table(&m).unwrap().layout(), Layout::Gguf);
+            // A tied table is also the output product's weight: lookups read it as is.
+            let mut step = StepDesc::default();
+            step.push_seq(&[0], 16, 0, &[12, 0, 7], true).unwrap();
+            let (mut got, mut want) = (vec![0f32; 3 * cols], vec![0f32; 3 * cols]);
+            b.embed(&w, &step, 3, &mut got).unwrap();
+            b.embed(&m, &step, 3, &mut want).unwrap();
+            assert_eq!(got, want, "{}", b.name());
+            assert_eq!(want[cols], 0.0, "row 0 holds 0.0 first");
+            assert!(want[..cols].iter().all(|v| *v > 7.0), "row 12");
+        }
     }
 
     #[test]

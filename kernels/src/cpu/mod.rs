@@ -13,7 +13,8 @@ pub use pool::ThreadPool;
 use std::cell::RefCell;
 
 use crate::api::{
-    AttnQuery, AttnShape, Kernels, KvView, Matrix, check_attention, check_matmul, kv_head_offset,
+    AttnQuery, AttnShape, Kernels, KvView, Layout, Matrix, check_attention, check_matmul,
+    kv_head_offset,
 };
 use crate::error::Result;
 use crate::quant::{BlockQ8, dequantize_row, quantize_act_row, vec_dot_q8};
@@ -235,11 +236,11 @@ impl CpuKernels {
     ) -> f32 {
         let row = w.row(r);
         if self.uses_q8(w) {
-            return vec_dot_q8(w.ty, row, act);
+            return vec_dot_q8(w.ty, &row, act);
         }
         grow(&mut sc.f, w.cols);
         let buf = &mut sc.f[..w.cols];
-        self.decode_row(w.ty, row, buf);
+        self.decode_row(w.ty, &row, buf);
         self.dot_f32(buf, x)
     }
 
@@ -260,7 +261,7 @@ impl CpuKernels {
         SCRATCH.with_borrow_mut(|sc| {
             #[cfg(target_arch = "x86_64")]
             if let (Some(s), Some(il), true) = (self.simd, il, self.uses_q8(w)) {
-                s.gemm_rows(w.ty, w.data, w.row_bytes(), r0, il, &mut sc.tile, out);
+                s.gemm_rows(w, r0, il, &mut sc.tile, out);
                 return;
             }
             let _ = il;
@@ -269,14 +270,14 @@ impl CpuKernels {
                 for (i, r) in (r0..r0 + nr).enumerate() {
                     let row = w.row(r);
                     for (o, a) in out.iter_mut().zip(act.chunks_exact(nb)) {
-                        o[i] = vec_dot_q8(w.ty, row, a);
+                        o[i] = vec_dot_q8(w.ty, &row, a);
                     }
                 }
                 return;
             }
             grow(&mut sc.f, cols);
             for (i, r) in (r0..r0 + nr).enumerate() {
-                self.decode_row(w.ty, w.row(r), &mut sc.f[..cols]);
+                self.decode_row(w.ty, &w.row(r), &mut sc.f[..cols]);
                 for (o, xt) in out.iter_mut().zip(x.chunks_exact(cols)) {
                     o[i] = self.dot_f32(&sc.f[..cols], xt);
                 }
@@ -304,6 +305,16 @@ impl CpuKernels {
 impl Kernels for CpuKernels {
     fn thread_pool(&self) -> Option<&'static ThreadPool> {
         Some(self.pool)
+    }
+
+    /// Block-quantized weights interleaved 8 rows at a time for the SIMD kernels, which
+    /// compute 8 rows per pass: single-token decoding then streams each matrix in order.
+    fn weight_layout(&self, ty: GgmlType) -> Layout {
+        if self.simd.is_some() && ty.is_quantized() && !self.exact {
+            Layout::Rows8
+        } else {
+            Layout::Gguf
+        }
     }
 
     fn name(&self) -> &'static str {
@@ -347,7 +358,7 @@ impl Kernels for CpuKernels {
                     let w = &ws[j];
                     #[cfg(target_arch = "x86_64")]
                     if let (Some(s), true) = (self.simd, self.uses_q8(w)) {
-                        s.gemv(w.ty, w.data, w.row_bytes(), r0, &act, o);
+                        s.gemv(w, r0, &act, o);
                         return;
                     }
                     SCRATCH.with_borrow_mut(|sc| {

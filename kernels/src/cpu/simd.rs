@@ -31,6 +31,7 @@
 use std::arch::x86_64::*;
 
 use super::pool::ThreadPool;
+use crate::api::{Layout, Matrix};
 use crate::quant::BlockQ8;
 use crate::types::{GgmlType, QK};
 
@@ -43,6 +44,9 @@ const TILE_4BIT: (usize, usize) = (4, 1);
 const TILE_8BIT: (usize, usize) = (4, 2);
 /// Most weight rows any tile holds.
 const TILE_R_MAX: usize = 4;
+/// Weight rows the batch kernel unpacks at a time (a multiple of every tile's R): one
+/// [`Layout::Rows8`] group, read in its stored order.
+const UNPACK_ROWS: usize = 8;
 
 /// Kinds of quantized weights, as const parameters of the kernels.
 /// Q4_1: unsigned codes 0..15 (`value = q·d + m`), i16 block sums.
@@ -51,6 +55,55 @@ const U4: u8 = 0;
 const S4: u8 = 1;
 /// Q8_0: signed codes through the sign trick; |pair| can reach 32512, so i32 block sums.
 const S8: u8 = 2;
+
+/// Where each row's blocks lie in a quantized matrix's bytes, for either [`Layout`]: GGUF
+/// rows are contiguous (blocks `block_bytes` apart); [`Layout::Rows8`] rows start
+/// `block_bytes` apart inside their group of 8 and step over the group's other 7 rows
+/// (blocks `8 · block_bytes` apart).
+struct RowBlocks {
+    row_bytes: usize,
+    block_bytes: usize,
+    rows8: bool,
+    stride: usize,
+}
+
+impl RowBlocks {
+    /// Checks that `w` holds `nb` blocks per row and every byte its layout stores, so that
+    /// `start(r)` plus `stride` times a block index below `nb` stays inside `w.data` for
+    /// every row `r < w.rows`.
+    fn new(w: &Matrix<'_>, nb: usize) -> Self {
+        let bb = w.ty.block_bytes();
+        let row_bytes = nb * bb;
+        let rows8 = w.layout == Layout::Rows8;
+        let stored = if rows8 {
+            w.rows.next_multiple_of(8)
+        } else {
+            w.rows
+        };
+        assert_eq!(
+            w.data.len(),
+            stored * row_bytes,
+            "{:?} matrix size",
+            w.layout
+        );
+        Self {
+            row_bytes,
+            block_bytes: bb,
+            rows8,
+            stride: if rows8 { 8 * bb } else { bb },
+        }
+    }
+
+    /// Pointer to row `r`'s first block.
+    fn start(&self, data: &[u8], r: usize) -> *const u8 {
+        let off = if self.rows8 {
+            r / 8 * 8 * self.row_bytes + r % 8 * self.block_bytes
+        } else {
+            r * self.row_bytes
+        };
+        data[off..].as_ptr()
+    }
+}
 
 fn kind(ty: GgmlType) -> u8 {
     match ty {
@@ -195,36 +248,25 @@ impl Avx2 {
         ok.then_some(Avx2(()))
     }
 
-    /// Rows `r0..r0+out.len()` of the quantized matrix `data` (rows of `row_bytes`) times
-    /// one token's activation blocks `act`, 8 rows at a time.
-    pub(crate) fn gemv(
-        self,
-        ty: GgmlType,
-        data: &[u8],
-        row_bytes: usize,
-        r0: usize,
-        act: &[BlockQ8],
-        out: &mut [f32],
-    ) {
+    /// Rows `r0..r0+out.len()` of the quantized matrix `w` (either layout) times one
+    /// token's activation blocks `act`, 8 rows at a time.
+    pub(crate) fn gemv(self, w: &Matrix<'_>, r0: usize, act: &[BlockQ8], out: &mut [f32]) {
         let nb = act.len();
-        assert_eq!(row_bytes, nb * ty.block_bytes());
-        let n_rows = data.len() / row_bytes.max(1);
-        assert!(r0 + out.len() <= n_rows && data.len() == n_rows * row_bytes);
+        let rows = RowBlocks::new(w, nb);
+        assert!(r0 + out.len() <= w.rows);
         for (i, o) in out.chunks_mut(8).enumerate() {
             let first = r0 + 8 * i;
             // Lanes past the end repeat the last row; their results are dropped.
-            let rows: [*const u8; 8] = std::array::from_fn(|k| {
-                let r = (first + k).min(first + o.len() - 1);
-                data[r * row_bytes..].as_ptr()
-            });
-            // SAFETY: the token proves the target features; each pointer starts a row of
-            // `nb` blocks of `ty` inside `data` (r < n_rows, asserted), and `act` holds
-            // `nb` blocks.
+            let ptrs: [*const u8; 8] =
+                std::array::from_fn(|k| rows.start(w.data, (first + k).min(first + o.len() - 1)));
+            // SAFETY: the token proves the target features; each pointer starts row r <
+            // w.rows, whose `nb` blocks of `ty` lie `stride` apart inside `w.data`
+            // (`RowBlocks::new` checked the size), and `act` holds `nb` blocks.
             let r = unsafe {
-                match kind(ty) {
-                    U4 => gemv8::<U4>(rows, act.as_ptr(), nb),
-                    S4 => gemv8::<S4>(rows, act.as_ptr(), nb),
-                    _ => gemv8::<S8>(rows, act.as_ptr(), nb),
+                match kind(w.ty) {
+                    U4 => gemv8::<U4>(ptrs, rows.stride, act.as_ptr(), nb),
+                    S4 => gemv8::<S4>(ptrs, rows.stride, act.as_ptr(), nb),
+                    _ => gemv8::<S8>(ptrs, rows.stride, act.as_ptr(), nb),
                 }
             };
             // SAFETY: __m256 and [f32; 8] have the same size and any bits are valid.
@@ -233,14 +275,11 @@ impl Avx2 {
         }
     }
 
-    /// Rows `r0..r0+nr` of the quantized matrix `data` against all tokens of `il`, into
-    /// `out[t][i]` (one slice of `nr` per token).
-    #[allow(clippy::too_many_arguments)]
+    /// Rows `r0..r0+nr` of the quantized matrix `w` (either layout) against all tokens
+    /// of `il`, into `out[t][i]` (one slice of `nr` per token).
     pub(crate) fn gemm_rows(
         self,
-        ty: GgmlType,
-        data: &[u8],
-        row_bytes: usize,
+        w: &Matrix<'_>,
         r0: usize,
         il: &Interleaved,
         sc: &mut TileScratch,
@@ -250,20 +289,17 @@ impl Avx2 {
         const G4: usize = TILE_4BIT.1;
         const R8: usize = TILE_8BIT.0;
         const G8: usize = TILE_8BIT.1;
-        match kind(ty) {
-            U4 => self.gemm_rows_k::<U4, R4, G4>(ty, data, row_bytes, r0, il, sc, out),
-            S4 => self.gemm_rows_k::<S4, R4, G4>(ty, data, row_bytes, r0, il, sc, out),
-            _ => self.gemm_rows_k::<S8, R8, G8>(ty, data, row_bytes, r0, il, sc, out),
+        match kind(w.ty) {
+            U4 => self.gemm_rows_k::<U4, R4, G4>(w, r0, il, sc, out),
+            S4 => self.gemm_rows_k::<S4, R4, G4>(w, r0, il, sc, out),
+            _ => self.gemm_rows_k::<S8, R8, G8>(w, r0, il, sc, out),
         }
     }
 
     /// [`Self::gemm_rows`] with tiles of R rows × G groups of 8 tokens.
-    #[allow(clippy::too_many_arguments)]
     fn gemm_rows_k<const K: u8, const R: usize, const G: usize>(
         self,
-        ty: GgmlType,
-        data: &[u8],
-        row_bytes: usize,
+        w: &Matrix<'_>,
         r0: usize,
         il: &Interleaved,
         sc: &mut TileScratch,
@@ -272,46 +308,54 @@ impl Avx2 {
         const { assert!(R <= TILE_R_MAX && G >= 1) };
         let nb = il.nb;
         let nr = out.first().map_or(0, |o| o.len());
-        assert_eq!(row_bytes, nb * ty.block_bytes());
+        let rows = RowBlocks::new(w, nb);
         assert!(out.len() == il.n_tok && out.iter().all(|o| o.len() == nr));
-        assert!(nr > 0 && (r0 + nr) * row_bytes <= data.len());
+        assert!(nr > 0 && r0 + nr <= w.rows);
+        const { assert!(UNPACK_ROWS.is_multiple_of(R)) };
         for v in [&mut sc.wa, &mut sc.ws] {
-            if v.len() < R * nb {
-                v.resize(R * nb, Q32::default());
+            if v.len() < UNPACK_ROWS * nb {
+                v.resize(UNPACK_ROWS * nb, Q32::default());
             }
         }
         for v in [&mut sc.d, &mut sc.m] {
-            if v.len() < R * nb {
-                v.resize(R * nb, 0.0);
+            if v.len() < UNPACK_ROWS * nb {
+                v.resize(UNPACK_ROWS * nb, 0.0);
             }
         }
+        let u = Unpacked {
+            wa: sc.wa.as_mut_ptr(),
+            ws: sc.ws.as_mut_ptr(),
+            d: sc.d.as_mut_ptr(),
+            m: sc.m.as_mut_ptr(),
+            nb,
+        };
         let mut rt = 0;
         while rt < nr {
-            for i in 0..R {
+            if rt.is_multiple_of(UNPACK_ROWS) {
                 // Rows past the end repeat the last row; their results are dropped.
-                let r = r0 + (rt + i).min(nr - 1);
-                let row = &data[r * row_bytes..(r + 1) * row_bytes];
-                let at = i * nb..(i + 1) * nb;
-                // SAFETY: features proven by the token; `row` holds `nb` blocks of `ty`
-                // and each output range holds `nb` entries.
-                let (rp, wa, ws) = (
-                    row.as_ptr(),
-                    sc.wa[at.clone()].as_mut_ptr(),
-                    sc.ws[at.clone()].as_mut_ptr(),
-                );
-                let (d, m) = (sc.d[at.clone()].as_mut_ptr(), sc.m[at].as_mut_ptr());
-                unsafe { unpack_row::<K>(rp, wa, ws, d, m, nb) };
+                let first = r0 + rt;
+                let last = r0 + nr - 1;
+                let starts = std::array::from_fn(|i| rows.start(w.data, (first + i).min(last)));
+                // One Rows8 group exactly: read it in its stored order.
+                let group = rows.rows8 && first.is_multiple_of(8) && first + 7 <= last;
+                // SAFETY: features proven by the token; every row r <= last < w.rows has
+                // `nb` blocks `stride` apart in `w.data` (`RowBlocks::new` checked the
+                // size), and the scratch holds UNPACK_ROWS rows of `nb` entries.
+                unsafe { unpack_rows::<K>(starts, rows.stride, group, &u) };
             }
+            // This tile's rows in the scratch.
+            let first_row = rt % UNPACK_ROWS * nb;
             let rows_here = R.min(nr - rt);
             let mut g = 0;
             while g < il.groups {
                 let full = g + G <= il.groups;
                 let at = g * nb * 8;
+                // SAFETY: first_row + R·nb <= UNPACK_ROWS·nb entries (R divides it).
                 let p = TilePtrs {
-                    wa: sc.wa.as_ptr(),
-                    ws: sc.ws.as_ptr(),
-                    dw: sc.d.as_ptr(),
-                    m: sc.m.as_ptr(),
+                    wa: unsafe { u.wa.add(first_row) },
+                    ws: unsafe { u.ws.add(first_row) },
+                    dw: unsafe { u.d.add(first_row) },
+                    m: unsafe { u.m.add(first_row) },
                     q: il.q[at..].as_ptr(),
                     d: il.d[at..].as_ptr(),
                     s: il.s[at..].as_ptr(),
@@ -617,32 +661,60 @@ unsafe fn codes<const K: u8>(blk: *const u8) -> __m256i {
     }
 }
 
-/// Expand one row into the batch kernel's scratch: codes (`wa` unsigned or absolute,
-/// `ws` signed), block scales `d` and offsets `m` (0 unless Q4_1).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn unpack_row<const K: u8>(
-    row: *const u8,
+/// Where the batch kernel unpacks weight rows: codes (`wa` unsigned or absolute, `ws`
+/// signed), block scales `d` and offsets `m` (0 unless Q4_1); row i's block b at
+/// `i · nb + b`.
+struct Unpacked {
     wa: *mut Q32,
     ws: *mut Q32,
     d: *mut f32,
     m: *mut f32,
     nb: usize,
+}
+
+/// Expand block `b` of scratch row `i` from the block at `blk`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_block<const K: u8>(blk: *const u8, u: &Unpacked, i: usize, b: usize) {
+    let at = i * u.nb + b;
+    // SAFETY: the caller passes a whole block of kind K and an entry inside the scratch.
+    unsafe {
+        let c = codes::<K>(blk);
+        if K == U4 {
+            _mm256_store_si256(u.wa.add(at).cast(), c);
+            *u.m.add(at) = f16x1(blk.add(2));
+        } else {
+            _mm256_store_si256(u.wa.add(at).cast(), _mm256_abs_epi8(c));
+            _mm256_store_si256(u.ws.add(at).cast(), c);
+            *u.m.add(at) = 0.0;
+        }
+        *u.d.add(at) = f16x1(blk);
+    }
+}
+
+/// Expand rows `starts` (blocks `stride` bytes apart) into scratch rows 0..8. In block
+/// order across the rows when `interleaved` (a [`Layout::Rows8`] group: one sequential
+/// read), else row by row (GGUF rows: one sequential read each).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_rows<const K: u8>(
+    starts: [*const u8; 8],
+    stride: usize,
+    interleaved: bool,
+    u: &Unpacked,
 ) {
-    for b in 0..nb {
-        // SAFETY: b < nb; the caller guarantees nb blocks of kind K in `row` and room
-        // for nb entries in every output.
-        unsafe {
-            let blk = row.add(b * layout(K).0);
-            let c = codes::<K>(blk);
-            if K == U4 {
-                _mm256_store_si256(wa.add(b).cast(), c);
-                *m.add(b) = f16x1(blk.add(2));
-            } else {
-                _mm256_store_si256(wa.add(b).cast(), _mm256_abs_epi8(c));
-                _mm256_store_si256(ws.add(b).cast(), c);
-                *m.add(b) = 0.0;
+    // SAFETY (both loops): the caller guarantees `u.nb` blocks of kind K `stride` apart
+    // behind every start and 8 rows of `u.nb` entries in the scratch.
+    if interleaved {
+        for b in 0..u.nb {
+            for (i, s) in starts.iter().enumerate() {
+                unsafe { unpack_block::<K>(s.add(b * stride), u, i, b) };
             }
-            *d.add(b) = f16x1(blk);
+        }
+    } else {
+        for (i, s) in starts.iter().enumerate() {
+            for b in 0..u.nb {
+                unsafe { unpack_block::<K>(s.add(b * stride), u, i, b) };
+            }
         }
     }
 }
@@ -680,10 +752,15 @@ fn sum8_i32(p: [__m256i; 8]) -> __m256i {
     )
 }
 
-/// 8 rows (lanes) times one token: see the module docs for the float steps.
+/// 8 rows (lanes, blocks `stride` bytes apart) times one token: see the module docs for
+/// the float steps.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemv8<const K: u8>(rows: [*const u8; 8], act: *const BlockQ8, nb: usize) -> __m256 {
-    let bb = layout(K).0;
+unsafe fn gemv8<const K: u8>(
+    rows: [*const u8; 8],
+    stride: usize,
+    act: *const BlockQ8,
+    nb: usize,
+) -> __m256 {
     let ones = _mm256_set1_epi16(1);
     let mut acc = _mm256_setzero_ps();
     let mut accm = _mm256_setzero_ps();
@@ -695,7 +772,7 @@ unsafe fn gemv8<const K: u8>(rows: [*const u8; 8], act: *const BlockQ8, nb: usiz
             let av = _mm256_loadu_si256(a.qs.as_ptr().cast());
             let mut p = [_mm256_setzero_si256(); 8];
             for (r, pr) in p.iter_mut().enumerate() {
-                let blk = rows[r].add(b * bb);
+                let blk = rows[r].add(b * stride);
                 let c = codes::<K>(blk);
                 *pr = match K {
                     U4 => _mm256_maddubs_epi16(c, av),
@@ -707,7 +784,7 @@ unsafe fn gemv8<const K: u8>(rows: [*const u8; 8], act: *const BlockQ8, nb: usiz
                 };
             }
             let isum = if K == S8 { sum8_i32(p) } else { sum8_i16(p) };
-            let r = |k: usize| rows[k].add(b * bb);
+            let r = |k: usize| rows[k].add(b * stride);
             let (dw, mw) = if K == U4 {
                 let dm = _mm256_setr_epi32(
                     r(0).cast::<i32>().read_unaligned(),

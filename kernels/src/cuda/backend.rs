@@ -69,6 +69,11 @@ impl Backend for CudaBackend {
         self.dev.upload_matrix(&m.matrix())
     }
 
+    /// Weights live on the device once uploaded.
+    fn holds_host_bytes(&self, _m: &HostMatrix) -> bool {
+        false
+    }
+
     fn load_rope(&self, table: &RopeTable) -> Result<DeviceRope> {
         self.dev.upload_rope(table)
     }

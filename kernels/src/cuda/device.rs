@@ -374,13 +374,15 @@ impl CudaDevice {
         Ok(out)
     }
 
+    /// The device kernels read GGUF rows: a matrix in another layout is gathered back
+    /// into them first.
     pub fn upload_matrix(&self, m: &Matrix<'_>) -> Result<DeviceMatrix> {
-        Matrix::new(m.ty, m.rows, m.cols, m.data)?;
+        Matrix::with_layout(m.ty, m.rows, m.cols, m.data, m.layout)?;
         Ok(DeviceMatrix {
             ty: m.ty,
             rows: m.rows,
             cols: m.cols,
-            data: self.upload(m.data)?,
+            data: self.upload(&m.to_gguf())?,
         })
     }
 
