@@ -1,7 +1,7 @@
 //! Engine throughput on the real model.
 //!
 //! cargo run --release -p tandem-dataplane --example bench_engine -- \
-//!     [--kv f16|q8_0|f32] [--reps N] [--only C] [--via-step] [--threads N] [MODEL.gguf]
+//!     [--kv f16|q8_0|f32] [--reps N] [--only C[,C...]] [--via-step] [--threads N] [MODEL.gguf]
 //!
 //! Prints prompt tok/s for a 512-token prompt, then decode tok/s (greedy, through
 //! `step_sample` as the scheduler calls it) at concurrency 1, 8 and 32, for short
@@ -12,7 +12,8 @@
 //! Shared machines drift in speed by tens of percent over a minute, so the concurrency
 //! levels are measured interleaved (1, 8, 32, 1, 8, 32, ...) `--reps` times (default 3)
 //! and each figure is the median; the C=32 / C=1 ratios compare medians of interleaved
-//! runs. `--only C` measures one level (for profiling); `--via-step` decodes through
+//! runs. `--only C` measures one level (for profiling), `--only 1,2,3,4` those levels
+//! (interleaved as above); `--via-step` decodes through
 //! `step` + host sampling of copied logits instead (the path before `step_sample`);
 //! `--threads N` sizes the kernel pool (the dataplane's `--threads`; default one per core).
 
@@ -134,7 +135,7 @@ fn run_level(r: &mut CpuModelRunner, c: usize, long: Option<&LongStart>, via_ste
 
 fn main() {
     let mut kv = GgmlType::F16;
-    let mut only: Option<usize> = None;
+    let mut only: Option<Vec<usize>> = None;
     let mut reps = 3usize;
     let mut via_step = false;
     let mut threads = None;
@@ -150,7 +151,24 @@ fn main() {
                     _ => GgmlType::F16,
                 }
             }
-            "--only" => only = args.next().and_then(|c| c.parse().ok()),
+            "--only" => {
+                let list = args.next().unwrap_or_default();
+                let levels: Vec<usize> = list
+                    .split(',')
+                    .map(|c| {
+                        c.trim()
+                            .parse()
+                            .ok()
+                            .filter(|&n: &usize| (1..=32).contains(&n))
+                            .unwrap_or_else(|| {
+                                panic!(
+                                    "--only {list:?}: concurrency levels 1..=32, comma-separated"
+                                )
+                            })
+                    })
+                    .collect();
+                only = Some(levels);
+            }
             "--via-step" => via_step = true,
             "--threads" => threads = args.next().and_then(|c| c.parse().ok()),
             "--reps" => reps = args.next().and_then(|c| c.parse().ok()).unwrap_or(3).max(1),
@@ -221,7 +239,7 @@ fn main() {
     };
     r.free(SeqId(1003));
 
-    let levels = only.map_or(vec![1usize, 8, 32], |c| vec![c]);
+    let levels = only.unwrap_or_else(|| vec![1usize, 8, 32]);
     let short_ctx = format!("{SHORT_PROMPT}..{}", SHORT_PROMPT + DECODE_STEPS);
     let long_ctx = format!("{base_len}..{CONTEXT}");
     for (name, start) in [(short_ctx, None), (long_ctx, Some(&long))] {
@@ -242,7 +260,7 @@ fn main() {
             );
             medians.push(m);
         }
-        if levels.len() == 3 {
+        if levels == [1, 8, 32] {
             println!(
                 "C=32 / C=1, context {name:>8}: {:.1}x",
                 medians[2] / medians[0]

@@ -242,7 +242,7 @@ fn attention_level(
 }
 
 /// A whole model's matrices as one decode step multiplies them: 30 distinct layers (66 MB
-/// of Q4_1, so they come from DRAM as in serving) and the Q8_0 output, at T = 1, 8 and 32
+/// of Q4_1, so they come from DRAM as in serving) and the Q8_0 output, at T = 1, 2, 3, 4, 8 and 32
 /// tokens, in GGUF layout and in the 8-row interleave; the two layouts alternate rep by
 /// rep, so drift hits both alike.
 fn model_matmuls(k: &CpuKernels, rng: &mut Rng, reps: usize) {
@@ -287,7 +287,7 @@ fn model_matmuls(k: &CpuKernels, rng: &mut Rng, reps: usize) {
             .collect()
     };
     let (mg, mp) = (mats(Layout::Gguf), mats(Layout::Rows8));
-    for n_tok in [1usize, 8, 32] {
+    for n_tok in [1usize, 2, 3, 4, 8, 32] {
         let x = rng.vec(n_tok * ffn);
         let mut outs: Vec<Vec<f32>> = gguf
             .iter()

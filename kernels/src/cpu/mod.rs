@@ -49,6 +49,14 @@ type BatchActs = Option<()>;
 /// Rows (tokens) from which norms and rope spread over the pool.
 const PARALLEL_ROWS: usize = 8;
 
+/// Largest batch multiplied by the single-token kernel once per token (per group of 8
+/// weight rows, so the weights still come from memory once) rather than by the tiled
+/// batch kernel, which computes 8 token lanes however few are used. `bench_kernels`'
+/// "model matmuls" (SmolLM2 from DRAM, 2 threads): the tiled kernel takes 14–17 ms at
+/// T=2, 3 or 4 (and 7 ms at T=1); once per token takes 10, 12.5 and 15–16 ms. Both give
+/// every token the bits it gets alone.
+const GEMV_MAX_TOKENS: usize = 3;
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
@@ -260,8 +268,11 @@ impl CpuKernels {
         let cols = w.cols;
         SCRATCH.with_borrow_mut(|sc| {
             #[cfg(target_arch = "x86_64")]
-            if let (Some(s), Some(il), true) = (self.simd, il, self.uses_q8(w)) {
-                s.gemm_rows(w, r0, il, &mut sc.tile, out);
+            if let (Some(s), true) = (self.simd, self.uses_q8(w)) {
+                match il {
+                    Some(il) => s.gemm_rows(w, r0, il, &mut sc.tile, out),
+                    None => s.gemv_tokens(w, r0, act, out),
+                }
                 return;
             }
             let _ = il;
@@ -338,9 +349,12 @@ impl Kernels for CpuKernels {
             return Ok(());
         }
         let any_q8 = ws.iter().any(|w| self.uses_q8(w));
+        // Small batches run the single-token kernel once per token on each group of rows
+        // (see `GEMV_MAX_TOKENS`); larger ones the tiled batch kernel.
+        let tiled = n_tok > GEMV_MAX_TOKENS && self.simd.is_some();
         // The SIMD batch kernel reads only the interleaved activations, which are
         // quantized and interleaved in one dispatch below.
-        let act = if any_q8 && !(n_tok > 1 && self.simd.is_some() && cols.is_multiple_of(QK)) {
+        let act = if any_q8 && !(tiled && cols.is_multiple_of(QK)) {
             self.quantize_acts(x, n_tok, cols)?
         } else {
             Vec::new()
@@ -373,10 +387,10 @@ impl Kernels for CpuKernels {
         // writes them straight into the outputs, through one slice per token.
         #[cfg(target_arch = "x86_64")]
         let il: BatchActs = match self.simd {
-            Some(s) if any_q8 && act.is_empty() => {
+            Some(s) if tiled && any_q8 && act.is_empty() => {
                 Some(Interleaved::from_f32(s, x, n_tok, cols / QK, self.pool))
             }
-            Some(_) if any_q8 => Some(Interleaved::new(&act, n_tok, cols / QK, self.pool)),
+            Some(_) if tiled && any_q8 => Some(Interleaved::new(&act, n_tok, cols / QK, self.pool)),
             _ => None,
         };
         #[cfg(not(target_arch = "x86_64"))]

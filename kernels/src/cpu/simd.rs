@@ -251,27 +251,45 @@ impl Avx2 {
     /// Rows `r0..r0+out.len()` of the quantized matrix `w` (either layout) times one
     /// token's activation blocks `act`, 8 rows at a time.
     pub(crate) fn gemv(self, w: &Matrix<'_>, r0: usize, act: &[BlockQ8], out: &mut [f32]) {
-        let nb = act.len();
+        self.gemv_tokens(w, r0, act, &mut [out]);
+    }
+
+    /// Rows `r0..r0+nr` of `w` times each of `out.len()` tokens (`act`: their activation
+    /// blocks one token after another) into `out[t][i]`, one group of 8 rows at a time
+    /// and [`gemv8`] once per token on it: the rows come from memory once and the later
+    /// tokens find them in L1, and every token's result is exactly a single-token call's.
+    pub(crate) fn gemv_tokens(
+        self,
+        w: &Matrix<'_>,
+        r0: usize,
+        act: &[BlockQ8],
+        out: &mut [&mut [f32]],
+    ) {
+        let nr = out.first().map_or(0, |o| o.len());
+        let nb = act.len() / out.len().max(1);
+        assert!(act.len() == nb * out.len() && out.iter().all(|o| o.len() == nr));
         let rows = RowBlocks::new(w, nb);
-        assert!(r0 + out.len() <= w.rows);
-        for (i, o) in out.chunks_mut(8).enumerate() {
-            let first = r0 + 8 * i;
+        assert!(r0 + nr <= w.rows);
+        for i in (0..nr).step_by(8) {
+            let (first, here) = (r0 + i, (nr - i).min(8));
             // Lanes past the end repeat the last row; their results are dropped.
             let ptrs: [*const u8; 8] =
-                std::array::from_fn(|k| rows.start(w.data, (first + k).min(first + o.len() - 1)));
-            // SAFETY: the token proves the target features; each pointer starts row r <
-            // w.rows, whose `nb` blocks of `ty` lie `stride` apart inside `w.data`
-            // (`RowBlocks::new` checked the size), and `act` holds `nb` blocks.
-            let r = unsafe {
-                match kind(w.ty) {
-                    U4 => gemv8::<U4>(ptrs, rows.stride, act.as_ptr(), nb),
-                    S4 => gemv8::<S4>(ptrs, rows.stride, act.as_ptr(), nb),
-                    _ => gemv8::<S8>(ptrs, rows.stride, act.as_ptr(), nb),
-                }
-            };
-            // SAFETY: __m256 and [f32; 8] have the same size and any bits are valid.
-            let v: [f32; 8] = unsafe { std::mem::transmute(r) };
-            o.copy_from_slice(&v[..o.len()]);
+                std::array::from_fn(|k| rows.start(w.data, first + k.min(here - 1)));
+            for (o, a) in out.iter_mut().zip(act.chunks_exact(nb)) {
+                // SAFETY: the token proves the target features; each pointer starts row
+                // r < w.rows, whose `nb` blocks of `ty` lie `stride` apart inside
+                // `w.data` (`RowBlocks::new` checked the size), and `a` holds `nb` blocks.
+                let r = unsafe {
+                    match kind(w.ty) {
+                        U4 => gemv8::<U4>(ptrs, rows.stride, a.as_ptr(), nb),
+                        S4 => gemv8::<S4>(ptrs, rows.stride, a.as_ptr(), nb),
+                        _ => gemv8::<S8>(ptrs, rows.stride, a.as_ptr(), nb),
+                    }
+                };
+                // SAFETY: __m256 and [f32; 8] have the same size and any bits are valid.
+                let v: [f32; 8] = unsafe { std::mem::transmute(r) };
+                o[i..i + here].copy_from_slice(&v[..here]);
+            }
         }
     }
 

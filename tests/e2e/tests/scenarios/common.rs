@@ -232,6 +232,23 @@ pub async fn ready_endpoint_pods(env: &Env, ns: &str, service: &str) -> Result<V
         .collect())
 }
 
+/// Wait (at most 15 s) until `service` lists exactly `n` ready endpoints. The endpoint
+/// controller publishes a group's decode a moment after the operator opens its gate (the
+/// lag `rollout.minReadySeconds` covers in scenario 4), so a check right after the groups
+/// turn Ready can see one fewer.
+pub async fn wait_ready_endpoints(env: &Env, ns: &str, service: &str, n: usize) -> Result<()> {
+    wait::until_seen(
+        &format!("{n} ready endpoints in Service {service}"),
+        Duration::from_secs(15),
+        Duration::from_millis(200),
+        || async {
+            let ready = ready_endpoint_pods(env, ns, service).await?;
+            Ok(if ready.len() == n { Ok(()) } else { Err(ready) })
+        },
+    )
+    .await
+}
+
 /// One chat completion against `ip:8000` for the scenarios' model name.
 pub async fn chat(ip: &str, timeout: Duration) -> Result<String> {
     chat_model(ip, MODEL_NAME, timeout).await

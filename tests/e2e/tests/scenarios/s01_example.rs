@@ -165,22 +165,8 @@ async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
     }
 
     // The client Service's EndpointSlice: exactly the decode pods of Ready groups, each
-    // answering a chat request. The endpoint controller lists a decode a moment after the
-    // operator opens its gate (as in scenarios 4 and 5): waited for, with a bound.
-    tandem_e2e::wait::until_seen(
-        "a ready client endpoint per Ready group",
-        Duration::from_secs(15),
-        Duration::from_millis(200),
-        || async {
-            let ready = ready_endpoint_pods(env, ns, name).await?;
-            Ok(if ready.len() as i32 == groups {
-                Ok(())
-            } else {
-                Err(ready)
-            })
-        },
-    )
-    .await?;
+    // answering a chat request (waited for: the endpoint controller lags the gate).
+    wait_ready_endpoints(env, ns, name, groups as usize).await?;
     let eps = endpoints(env, ns, name).await?;
     let ready: Vec<&Endpoint> = eps.iter().filter(|e| e.ready).collect();
     let decode_pods: Vec<String> = all

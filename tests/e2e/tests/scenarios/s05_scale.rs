@@ -42,19 +42,9 @@ pub async fn run(env: &Env) -> Result<()> {
             .is_some_and(|s| s.contains("tandem.dev/role=decode")),
         "scale selector: {scale}"
     );
-    // The endpoint controller lists a group's decode a moment after the operator opened
-    // its gate (the same lag `rollout.minReadySeconds` covers in scenario 4): waited for,
-    // with a bound.
-    wait::until_seen(
-        "3 ready decode endpoints in the client Service",
-        Duration::from_secs(15),
-        Duration::from_millis(200),
-        || async {
-            let ready = ready_endpoint_pods(env, ns, name).await?;
-            Ok(if ready.len() == 3 { Ok(()) } else { Err(ready) })
-        },
-    )
-    .await?;
+    // All three decodes in the client Service (waited for: the endpoint controller lags
+    // the gate).
+    wait_ready_endpoints(env, ns, name, 3).await?;
 
     let rec = PodRecorder::start(env, ns).await;
     let before = pods(env, ns, name).await?;
