@@ -200,6 +200,37 @@ fn rows8_weights_give_the_bits_of_gguf_rows() {
     }
 }
 
+/// A matrix without columns multiplies to zeros on every backend (a sum over nothing), in
+/// both layouts and for one token and a batch, instead of panicking.
+#[test]
+fn matmul_of_a_matrix_without_columns_is_zero() {
+    let mut all: Vec<(&'static str, Box<dyn Kernels>)> = backends();
+    all.push(("scalar", Box::new(ScalarKernels)));
+    for ty in GgmlType::ALL {
+        let m = Matrix::new(ty, 13, 0, &[]).unwrap();
+        let packed = m.to_rows8();
+        let layouts = [
+            Some(m),
+            packed
+                .as_deref()
+                .map(|p| Matrix::with_layout(ty, 13, 0, p, Layout::Rows8).unwrap()),
+        ];
+        for w in layouts.into_iter().flatten() {
+            for n_tok in [1usize, 2, 9] {
+                for (name, k) in &all {
+                    let mut out = vec![f32::NAN; 13 * n_tok];
+                    k.matmul(&[w], &[], n_tok, &mut [&mut out]).unwrap();
+                    assert!(
+                        out.iter().all(|v| *v == 0.0),
+                        "{name} {ty} {:?} T={n_tok}: {out:?}",
+                        w.layout
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn matmul_rejects_bad_shapes() {
     let bytes = vec![0u8; 4 * 20];

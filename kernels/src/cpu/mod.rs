@@ -348,6 +348,11 @@ impl Kernels for CpuKernels {
         if n_tok == 0 || ws.is_empty() {
             return Ok(());
         }
+        if cols == 0 {
+            // Sums over nothing; the kernels below assume at least one block per row.
+            outs.iter_mut().for_each(|o| o.fill(0.0));
+            return Ok(());
+        }
         let any_q8 = ws.iter().any(|w| self.uses_q8(w));
         // Small batches run the single-token kernel once per token on each group of rows
         // (see `GEMV_MAX_TOKENS`); larger ones the tiled batch kernel.
