@@ -99,8 +99,12 @@ fn run_reference(
     act: &str,
 ) -> (Vec<Vec<u32>>, Vec<f32>) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/llama_ref.py");
+    // One file per call: the tests of this file run in parallel on the same model (F16
+    // and Q8_0 KV), and a name shared between them let one read or delete the other's.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let logits = std::env::temp_dir().join(format!(
-        "tandem-ref-{}-{}.f32",
+        "tandem-ref-{}-{call}-{}.f32",
         std::process::id(),
         model.file_name().unwrap().to_string_lossy()
     ));
