@@ -22,8 +22,8 @@ use serde_json::{Value, json};
 use tower_test::mock::{self, Handle};
 
 use super::*;
-use crate::crd::{GroupPhase, PDDeploymentStatus};
-use crate::planner::{Observed, PlanInput, PodIntent};
+use crate::crd::{GroupPhase, PDDeploymentStatus, annotations, conditions};
+use crate::planner::{Observed, PlanInput, PodIntent, PodPhase, Role};
 use crate::testutil;
 
 const NS: &str = "default";
