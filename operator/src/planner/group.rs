@@ -1,0 +1,375 @@
+//! One desired group's step: its objects, the triggers that would co-restart it, the
+//! co-restart itself (held back by policy or backoff), removal of old members decode
+//! first, and the removal of a group that was scaled away.
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use super::build::{build_group, decode_not_ready};
+use super::{
+    CoRestart, Ctx, DeleteReason, EventKind, FORCE_DELETE_MARGIN, ObservedPod, PlannedAction,
+    PodPhase, READY_DETAIL_REFRESH, Role, Trigger, add, backoff_delay, close_gates, is_failure,
+    note_phase, until,
+};
+use crate::crd::{CoRestartReason, CoRestartRecord, GroupPhase, GroupStatus, RestartPolicy};
+
+/// The group's Service and NetworkPolicy (applied every time), and its key Secret (created
+/// only when missing: pods may be using the key).
+pub(super) fn ensure_group_objects(ctx: &mut Ctx<'_>, g: i32) {
+    let obs = ctx.input.observed;
+    ctx.actions
+        .push(PlannedAction::ApplyGroupService { group: g });
+    ctx.actions
+        .push(PlannedAction::ApplyNetworkPolicy { group: g });
+    if !obs.group_secrets.contains(&g) {
+        ctx.actions
+            .push(PlannedAction::CreateGroupSecret { group: g });
+    }
+}
+
+/// Remove a group whose index is no longer desired: decode first, then prefill, then its
+/// Service, NetworkPolicy and Secret. Returns its memory while anything is left.
+pub(super) fn scale_down_group(
+    ctx: &mut Ctx<'_>,
+    g: i32,
+    pods: &[&ObservedPod],
+    mem: Option<&GroupStatus>,
+) -> Option<GroupStatus> {
+    let obs = ctx.input.observed;
+    let mut mem = mem.cloned().unwrap_or_else(|| GroupStatus {
+        index: g,
+        ..Default::default()
+    });
+    if mem.phase != GroupPhase::ScalingDown {
+        ctx.event(
+            EventKind::Normal,
+            "ScalingDown",
+            g,
+            format!(
+                "group {g}: removing (spec.groups is {})",
+                ctx.input.spec.groups
+            ),
+        );
+    }
+    mem.phase = GroupPhase::ScalingDown;
+    mem.bootstrap_healthy = false;
+    mem.decode_not_ready = None;
+    close_gates(ctx, pods);
+    if !remove_in_order(ctx, pods, DeleteReason::ScaleDown) {
+        return Some(mem);
+    }
+    if obs.group_services.contains(&g)
+        || obs.network_policies.contains(&g)
+        || obs.group_secrets.contains(&g)
+    {
+        ctx.actions
+            .push(PlannedAction::DeleteGroupResources { group: g });
+        return Some(mem);
+    }
+    None
+}
+
+/// Delete `pods` decode first: prefill pods are deleted only once no decode pod is left
+/// (terminating ones included). Returns true when nothing is left.
+fn remove_in_order(ctx: &mut Ctx<'_>, pods: &[&ObservedPod], reason: DeleteReason) -> bool {
+    for role in [Role::Decode, Role::Prefill] {
+        let of_role: Vec<&&ObservedPod> = pods.iter().filter(|p| p.role == role).collect();
+        if of_role.is_empty() {
+            continue;
+        }
+        for p in &of_role {
+            if p.terminating {
+                force_delete_if_stuck(ctx, p);
+            } else {
+                ctx.actions.push(PlannedAction::DeletePod {
+                    name: p.name.clone(),
+                    group: p.group,
+                    role,
+                    reason,
+                });
+            }
+        }
+        return false;
+    }
+    true
+}
+
+/// A terminating pod past its grace period plus [`FORCE_DELETE_MARGIN`] is force-deleted
+/// (and reported); before that, ask to be called again when the margin runs out.
+fn force_delete_if_stuck(ctx: &mut Ctx<'_>, p: &ObservedPod) {
+    let Some(deadline) = p.deletion_deadline else {
+        return;
+    };
+    let limit = add(deadline, FORCE_DELETE_MARGIN);
+    let now = ctx.input.now;
+    if now < limit {
+        ctx.requeue_in(until(now, limit));
+        return;
+    }
+    ctx.actions.push(PlannedAction::ForceDeletePod {
+        name: p.name.clone(),
+        group: p.group,
+        role: p.role,
+    });
+    ctx.event(
+        EventKind::Warning,
+        "PodForceDeleted",
+        p.group,
+        format!(
+            "{} pod {} is still terminating {}s after its grace period ended (its node is gone or its kubelet hung): deleted with grace period 0",
+            p.role.as_str(),
+            p.name,
+            until(deadline, now).as_secs()
+        ),
+    );
+}
+
+/// Look for a reason to co-restart a started group (pods of its incarnation exist or
+/// existed). Most severe first.
+pub(super) fn find_trigger(
+    ctx: &Ctx<'_>,
+    mem: &GroupStatus,
+    pods: &[&ObservedPod],
+) -> Option<Trigger> {
+    if mem.incarnation == 0 || mem.phase == GroupPhase::Restarting {
+        return None;
+    }
+    let input = ctx.input;
+    let current: Vec<&&ObservedPod> = pods
+        .iter()
+        .filter(|p| p.incarnation == mem.incarnation)
+        .collect();
+    if let Some(p) = current
+        .iter()
+        .find(|p| matches!(p.phase, PodPhase::Failed | PodPhase::Succeeded))
+    {
+        return Some(Trigger {
+            reason: CoRestartReason::MemberFailed,
+            detail: format!("{} pod {} exited ({:?})", p.role.as_str(), p.name, p.phase),
+        });
+    }
+    if let Some(p) = current.iter().find(|p| p.terminating) {
+        return Some(Trigger {
+            reason: CoRestartReason::MemberDeleted,
+            detail: format!("{} pod {} is being deleted", p.role.as_str(), p.name),
+        });
+    }
+    if let Some(missing) = mem
+        .pods
+        .iter()
+        .find(|n| !pods.iter().any(|p| &p.name == *n))
+    {
+        return Some(Trigger {
+            reason: CoRestartReason::MemberDeleted,
+            detail: format!("pod {missing} vanished"),
+        });
+    }
+    if let Some(p) = pods
+        .iter()
+        .find(|p| p.incarnation != mem.incarnation && !p.terminating)
+    {
+        return Some(Trigger {
+            reason: CoRestartReason::IncarnationMismatch,
+            detail: format!(
+                "pod {} has incarnation {}, group has {}",
+                p.name, p.incarnation, mem.incarnation
+            ),
+        });
+    }
+    let window = Duration::from_secs(input.spec.health.co_restart_after_seconds.max(1) as u64);
+    let group_was_ready = mem.ready_since.is_some();
+    let decode_exists = current.iter().any(|p| p.role == Role::Decode);
+    for p in &current {
+        // A prefill was Ready if decode pods were created for it; a decode was Ready if
+        // its group was.
+        let was_ready = group_was_ready || (p.role == Role::Prefill && decode_exists);
+        if p.ready || !was_ready {
+            continue;
+        }
+        let since = p.not_ready_since.unwrap_or(input.now);
+        let deadline = add(since, window);
+        if deadline <= input.now {
+            let mut detail = format!(
+                "{} pod {} not ready for more than {}s",
+                p.role.as_str(),
+                p.name,
+                window.as_secs()
+            );
+            if let Some(d) = &p.ready_detail {
+                detail.push_str(&format!(": {}: {}", d.reason, d.message));
+            }
+            return Some(Trigger {
+                reason: CoRestartReason::MemberNotReady,
+                detail,
+            });
+        }
+    }
+    if let Some(req) = input.restart_requested_at {
+        // A request in the future (clock skew) would restart the group over and over.
+        let started = mem.since.as_ref().map(|t| t.0);
+        if req <= input.now && started.is_none_or(|s| s < req) {
+            return Some(Trigger {
+                reason: CoRestartReason::RestartRequested,
+                detail: format!("restart requested at {req}"),
+            });
+        }
+    }
+    let (target_rev, _) = ctx.target_for(mem);
+    if mem.revision != target_rev {
+        return Some(Trigger {
+            reason: CoRestartReason::RevisionChanged,
+            detail: format!("revision {} → {}", mem.revision, target_rev),
+        });
+    }
+    None
+}
+
+/// Advance one desired group: fire its trigger (or hold it back), remove old members,
+/// build new ones, set the readiness gates. Returns the group's new memory.
+pub(super) fn step_group(
+    ctx: &mut Ctx<'_>,
+    mut mem: GroupStatus,
+    pods: &[&ObservedPod],
+    fire: Option<Trigger>,
+    prev_phase: Option<GroupPhase>,
+) -> GroupStatus {
+    let g = mem.index;
+    mem.message = None;
+    let prev_detail = mem.decode_not_ready.take();
+    mem.decode_not_ready = decode_not_ready(pods, mem.incarnation, prev_detail);
+    if mem.decode_not_ready.is_some() {
+        ctx.requeue_in(READY_DETAIL_REFRESH);
+    }
+
+    if let Some(t) = fire
+        && !co_restart(ctx, &mut mem, &t)
+        && is_failure(t.reason)
+    {
+        // A broken group held back (backoff or policy None): stop its traffic, report,
+        // and keep its pods for inspection. A held-back planned restart (policy None)
+        // leaves a healthy group serving; its message says what was not done.
+        close_gates(ctx, pods);
+        mem.phase = GroupPhase::Broken;
+        mem.bootstrap_healthy = false;
+        note_phase(ctx, &mem, prev_phase);
+        return mem;
+    }
+
+    if mem.incarnation == 0 {
+        let (rev, _) = ctx.target(g);
+        mem.incarnation = 1;
+        mem.revision = rev.to_string();
+        mem.since = Some(Time(ctx.input.now));
+    }
+
+    // Phase 1: remove pods of older incarnations, decode first.
+    let stale: Vec<&ObservedPod> = pods
+        .iter()
+        .filter(|p| p.incarnation != mem.incarnation)
+        .copied()
+        .collect();
+    if !stale.is_empty() {
+        if mem.phase != GroupPhase::Restarting {
+            // Stale pods without a co-restart in progress: a mismatch the trigger pass
+            // found but the policy keeps us from acting on.
+            mem.phase = GroupPhase::Broken;
+            mem.message = Some("pods of another incarnation exist".into());
+            close_gates(ctx, pods);
+            note_phase(ctx, &mem, prev_phase);
+            return mem;
+        }
+        close_gates(ctx, &stale);
+        let reason = mem
+            .last_co_restart
+            .as_ref()
+            .map_or(CoRestartReason::IncarnationMismatch, |r| r.reason);
+        remove_in_order(ctx, &stale, DeleteReason::CoRestart(reason));
+        mem.bootstrap_healthy = false;
+        mem.message = Some(format!(
+            "removing {} pod(s) of the previous incarnation, decode first",
+            stale.len()
+        ));
+        note_phase(ctx, &mem, prev_phase);
+        return mem;
+    }
+
+    // Phase 2: build at the current incarnation.
+    build_group(ctx, &mut mem, pods, prev_phase);
+    mem
+}
+
+/// Start a co-restart unless policy or backoff hold it back. Returns true when started.
+fn co_restart(ctx: &mut Ctx<'_>, mem: &mut GroupStatus, t: &Trigger) -> bool {
+    let g = mem.index;
+    let now = ctx.input.now;
+    if ctx.policy() == RestartPolicy::None {
+        mem.message = Some(format!(
+            "would co-restart ({}): {}; restart.policy is None",
+            t.reason, t.detail
+        ));
+        return false;
+    }
+    if is_failure(t.reason)
+        && let Some(after) = &mem.next_restart_after
+        && after.0 > now
+    {
+        // No countdown in the message: it would change the status on every reconcile.
+        // `nextRestartAfter` says when.
+        mem.message = Some(format!(
+            "co-restart ({}) held back by backoff until {}: {}",
+            t.reason, after.0, t.detail
+        ));
+        ctx.requeue_in(until(now, after.0));
+        return false;
+    }
+
+    let old = mem.incarnation;
+    let new = old + 1;
+    let (rev, _) = ctx.target_for(mem);
+    let rev = rev.to_string();
+    let type_ = if is_failure(t.reason) {
+        EventKind::Warning
+    } else {
+        EventKind::Normal
+    };
+    ctx.event(
+        type_,
+        t.reason.as_str(),
+        g,
+        format!(
+            "group {g} co-restart: incarnation {old} → {new}, revision {rev}: {}",
+            t.detail
+        ),
+    );
+    ctx.co_restarts.push(CoRestart {
+        group: g,
+        reason: t.reason,
+        old_incarnation: old,
+        new_incarnation: new,
+    });
+    if is_failure(t.reason) {
+        mem.backoff_streak += 1;
+        let delay = backoff_delay(
+            ctx.input.spec.restart.backoff.base_seconds,
+            ctx.input.spec.restart.backoff.max_seconds,
+            mem.backoff_streak,
+        );
+        mem.next_restart_after = Some(Time(add(now, delay)));
+    }
+    mem.incarnation = new;
+    mem.revision = rev;
+    mem.co_restarts += 1;
+    mem.last_co_restart = Some(CoRestartRecord {
+        time: Time(now),
+        reason: t.reason,
+    });
+    mem.phase = GroupPhase::Restarting;
+    mem.since = Some(Time(now));
+    mem.pods.clear();
+    mem.ready_since = None;
+    mem.bootstrap_healthy = false;
+    // The pod it was about belongs to the incarnation that is being removed.
+    mem.decode_not_ready = None;
+    true
+}
