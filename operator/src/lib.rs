@@ -10,6 +10,7 @@ pub mod names;
 pub mod planner;
 pub mod ready;
 pub mod resources;
+pub mod role;
 pub mod server;
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! One place, so the planner, the controller, the local runtime and the CRD's name
 //! validation agree on every suffix.
 
-use crate::planner::Role;
+use crate::role::Role;
 
 /// Deterministic pod name: deployment, group, incarnation, role, index. The incarnation
 /// in the name keeps a rebuilt pod from colliding with its terminating predecessor.

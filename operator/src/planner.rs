@@ -31,31 +31,9 @@ mod build;
 mod group;
 mod status;
 
+pub use crate::role::Role;
+
 use group::{ensure_group_objects, find_trigger, scale_down_group, step_group};
-
-/// Role of a pod inside its group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Role {
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Role> {
-        match s {
-            "prefill" => Some(Role::Prefill),
-            "decode" => Some(Role::Decode),
-            _ => None,
-        }
-    }
-}
 
 /// Pod phase as the kubelet reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -16,6 +16,7 @@
 pub mod display;
 pub mod env;
 pub mod executor;
+pub mod input;
 pub mod manifest;
 pub mod member;
 pub mod metrics;
@@ -35,8 +36,9 @@ use std::time::Duration;
 use tracing::info;
 
 use self::executor::{Executor, ExecutorConfig};
+use self::input::Input;
 use self::process::LocalProcesses;
-use self::runtime::{Descr, Input, Runtime};
+use self::runtime::{Descr, Runtime};
 use self::snapshot::Snapshot;
 use crate::metrics::Metrics;
 

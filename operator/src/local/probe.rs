@@ -14,8 +14,8 @@ use bytes::Bytes;
 use http::StatusCode;
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::input::Input;
 use super::member::ProbeOutcome;
-use super::runtime::Input;
 use crate::planner::ReadyDetail;
 use crate::ready::{self, get};
 

@@ -28,8 +28,8 @@ use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio::task::AbortHandle;
 
 use super::executor::{Launch, Processes};
+use super::input::Input;
 use super::probe;
-use super::runtime::Input;
 
 /// The variable `dataplane/src/parent.rs` reads.
 pub const PARENT_PID_ENV: &str = "TANDEM_PARENT_PID";

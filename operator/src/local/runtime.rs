@@ -18,8 +18,8 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::executor::{EntryKind, Executor};
+pub use super::input::Input;
 use super::manifest::Manifest;
-use super::member::ProbeOutcome;
 use super::metrics::LocalMetrics;
 use super::process::{self, LocalProcesses};
 use super::snapshot::{self, MemberView, Snapshot};
@@ -34,26 +34,6 @@ pub const RESYNC: Duration = Duration::from_secs(5);
 const MAX_PASSES: usize = 8;
 /// Wait after SIGKILL at the end of a shutdown before giving up on a process.
 const KILL_WAIT: Duration = Duration::from_secs(5);
-
-/// What the runtime's task is told.
-#[derive(Debug)]
-pub enum Input {
-    Exited {
-        pod: String,
-        how: String,
-        success: bool,
-    },
-    Probe {
-        pod: String,
-        outcome: ProbeOutcome,
-    },
-    /// The manifest file changed: its new content, checked.
-    Manifest(Result<Box<Manifest>, String>),
-    /// SIGINT, SIGTERM or SIGHUP.
-    Stop {
-        signal: &'static str,
-    },
-}
 
 /// Fixed facts shown in every snapshot.
 pub struct Descr {

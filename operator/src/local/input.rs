@@ -1,0 +1,26 @@
+//! What the runtime's task is told, by the member processes, their probes, the manifest
+//! watch and the signal handler (one channel; a leaf, so that those senders need not know
+//! the runtime).
+
+use super::manifest::Manifest;
+use super::member::ProbeOutcome;
+
+/// What the runtime's task is told.
+#[derive(Debug)]
+pub enum Input {
+    Exited {
+        pod: String,
+        how: String,
+        success: bool,
+    },
+    Probe {
+        pod: String,
+        outcome: ProbeOutcome,
+    },
+    /// The manifest file changed: its new content, checked.
+    Manifest(Result<Box<Manifest>, String>),
+    /// SIGINT, SIGTERM or SIGHUP.
+    Stop {
+        signal: &'static str,
+    },
+}
