@@ -11,7 +11,7 @@ export HELM := $(CURDIR)/.cache/bin/helm
 # The chart's values and manifests/examples use the same (scripts/chart.sh checks it).
 export IMAGE_REGISTRY ?= ghcr.io/tandem
 
-.PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check gpu-test \
+.PHONY: test lint module-cycles unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check gpu-test \
 	bench bench-pd bench-local bench-vs-llamacpp bench-prefix llama-server faults helm manifests chart-check static images image-check e2e e2e-deps
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
@@ -24,13 +24,18 @@ test: e2e-deps lint crd-check pyenv model unit validate-crd chart-check image-ch
 # still runs, and one line says what was skipped. The e2e scenarios are not a `cargo test`
 # target (test = false), so they are linted by name.
 HAVE_CLIPPY = cargo clippy --version >/dev/null 2>&1
-lint:
+lint: module-cycles
 	@if cargo fmt --version >/dev/null 2>&1; then cargo fmt --all -- --check; \
 	  else echo "lint: skipped cargo fmt --check (rustfmt is not installed)"; fi
 	@if $(HAVE_CLIPPY); then \
 	  cargo clippy --workspace --all-targets -- -D warnings \
 	  && cargo clippy -p tandem-e2e --test scenarios -- -D warnings; \
 	  else echo "lint: skipped cargo clippy (clippy is not installed)"; fi
+
+## module-cycles: no import cycle between the modules of the operator and dataplane
+## crates (at every level, the children of a module form a DAG; scripts/check_module_cycles.py)
+module-cycles:
+	python3 scripts/check_module_cycles.py operator/src/lib.rs dataplane/src/lib.rs
 
 # The local runtime's tests (operator/tests/local_runtime.rs) start
 # target/debug/tandem-dataplane: built before any test runs.

@@ -15,6 +15,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tandem_kernels::CpuOptions;
 
+use crate::pd::PdTimings;
 use crate::scheduler::SchedulerConfig;
 
 /// The compute device of the model runner (`--device`).
@@ -235,30 +236,6 @@ fn redacted<S: serde::Serializer>(key: &str, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str("")
     } else {
         s.collect_str(&format_args!("<redacted: {} bytes>", key.len()))
-    }
-}
-
-/// Protocol timings derived from the configuration.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PdTimings {
-    pub probe_period: Duration,
-    pub failure_threshold: u32,
-    pub bootstrap_timeout: Duration,
-    pub kv_timeout: Duration,
-}
-
-impl PdTimings {
-    /// How long without a PONG before a peer counts as down.
-    pub fn liveness_window(&self) -> Duration {
-        self.probe_period * self.failure_threshold.max(1)
-    }
-
-    /// Prefill: how long a decode session may stay silent (no message at all, PING
-    /// included) before the prefill drops it and fails its rooms: twice the decode's own
-    /// liveness window (a live decode PINGs every probe period), and never less than the
-    /// bootstrap timeout.
-    pub fn session_expiry(&self) -> Duration {
-        (self.liveness_window() * 2).max(self.bootstrap_timeout)
     }
 }
 

@@ -50,7 +50,7 @@ pub enum Error {
     },
     /// A malformed or unsupported GGUF file; the message names the key or tensor.
     #[error("GGUF: {0}")]
-    Gguf(#[from] crate::gguf::GgufError),
+    Gguf(#[source] crate::gguf::GgufError),
     /// A kernel or compute device failed: a shape the kernel refused (a bug in the caller,
     /// never bad user input), or the CUDA backend (no driver or device, NVRTC, a driver
     /// call, a device result out of range).
@@ -70,6 +70,24 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
+}
+
+impl From<crate::gguf::GgufError> for Error {
+    /// A file that could not be read is an I/O error whatever was reading it; the rest is
+    /// a malformed or unsupported file.
+    fn from(e: crate::gguf::GgufError) -> Self {
+        match e {
+            crate::gguf::GgufError::Io {
+                path,
+                kind,
+                message,
+            } => Error::Io {
+                path,
+                source: std::io::Error::new(kind, message),
+            },
+            other => Error::Gguf(other),
+        }
+    }
 }
 
 impl Error {

@@ -59,6 +59,14 @@ pub enum GgufError {
     MissingTensor(String),
     #[error("unsupported architecture {0:?} (supported: llama)")]
     UnsupportedArchitecture(String),
+    /// The file could not be opened or mapped (the crate's [`crate::Error::Io`] once
+    /// converted; kept as kind and text so that this type stays `Clone` and `PartialEq`).
+    #[error("I/O error on {path}: {message}")]
+    Io {
+        path: String,
+        kind: std::io::ErrorKind,
+        message: String,
+    },
 }
 
 /// One tensor's description; `offset` is relative to the start of the tensor data.
@@ -123,10 +131,11 @@ impl AsRef<[u8]> for Gguf {
 
 impl Gguf {
     /// Map and parse a file. Model files are treated as immutable while mapped.
-    pub fn open(path: &Path) -> crate::Result<Self> {
-        let io = |source| crate::Error::Io {
+    pub fn open(path: &Path) -> Result<Self, GgufError> {
+        let io = |e: std::io::Error| GgufError::Io {
             path: path.display().to_string(),
-            source,
+            kind: e.kind(),
+            message: e.to_string(),
         };
         let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the mapping is read-only and private to this process; the file is a
@@ -138,11 +147,11 @@ impl Gguf {
     }
 
     /// Parse a file held in memory (tests, synthetic models).
-    pub fn from_bytes(bytes: Vec<u8>) -> crate::Result<Self> {
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Self, GgufError> {
         Self::from_storage(Storage::Owned(bytes))
     }
 
-    fn from_storage(storage: Storage) -> crate::Result<Self> {
+    fn from_storage(storage: Storage) -> Result<Self, GgufError> {
         let header = parse_header(storage.bytes())?;
         Ok(Self {
             header,

@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc as tmpsc;
 
 use super::report::{Problem, ProblemSlot};
+use super::settings::PdTimings;
 use super::settings::random_id;
 use super::supervise::{Lifecycle, LoopHealth, Phase, Supervised};
 use super::wire;
-use crate::config::PdTimings;
 use crate::kv::auth::{GroupKey, Initiator, LocalIdentity};
 use crate::kv::chunks::{Assembler, BufferPool};
 use crate::kv::room::{AbortOutcome, Deadlines, RoomState, RoomTable};

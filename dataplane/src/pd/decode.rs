@@ -14,10 +14,10 @@ use super::dealer_loop::{
     STATE_HANDSHAKING,
 };
 use super::report::{Check, PeerReport, loop_check, loop_stale_after};
+use super::settings::PdTimings;
 use super::settings::{ChannelConfig, random_id};
 use super::supervise::{Lifecycle, LoopHealth, LoopThreads, supervise};
 use super::wire;
-use crate::config::PdTimings;
 use crate::engine_api::ModelInfo;
 use crate::kv::{FailCode, PrefillRequest};
 use crate::metrics::Metrics;

@@ -33,7 +33,7 @@ pub use dealer_loop::RoomFailure;
 pub use decode::DecodeHandle;
 pub use prefill::PrefillHandle;
 pub use report::{Check, PeerReport, Problem};
-pub use settings::{ChannelConfig, PdLimits, local_identity, random_id};
+pub use settings::{ChannelConfig, PdLimits, PdTimings, local_identity, random_id};
 pub use supervise::{Fault, LoopHealth, supervise};
 
 /// The PD side of a process, for `/ready`, request routing and shutdown.

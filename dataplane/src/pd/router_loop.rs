@@ -14,9 +14,9 @@ use tokio::sync::mpsc::error::TryRecvError;
 
 use super::report::{PeerReport, Problem};
 use super::settings::PdLimits;
+use super::settings::PdTimings;
 use super::supervise::{Lifecycle, LoopHealth, Phase, Supervised};
 use super::wire::{self, hex_id};
-use crate::config::PdTimings;
 use crate::kv::auth::{self, GroupKey, LocalIdentity, Pending};
 use crate::kv::room::{Deadlines, RoomState, RoomTable};
 use crate::kv::{

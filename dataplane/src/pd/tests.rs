@@ -7,9 +7,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::settings::PdTimings;
 use super::supervise::Fault;
 use super::{ChannelConfig, Check, PdLimits, PdRole, decode, local_identity, prefill, wire};
-use crate::config::PdTimings;
 use crate::engine_api::ModelInfo;
 use crate::kv::auth::{GroupKey, Initiator, LocalIdentity};
 use crate::kv::{Envelope, FailCode, Message, PrefillRequest, RejectReason};
