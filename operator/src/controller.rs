@@ -39,16 +39,18 @@ use kube::{Client, ResourceExt};
 use tracing::{debug, instrument, warn};
 
 use crate::crd::{PDDeployment, labels};
+use crate::executor;
 use crate::metrics::Metrics;
 use crate::names;
 use crate::planner::{self, PlanInput};
 use crate::ready::{HttpFetcher, ReadyFetcher};
+use crate::reasons::Problem;
 use crate::resources::{self, BuildError};
 
 pub use observe::{Foreign, observe_pod, ready_target, restart_requested_at};
 pub use run::{backoff, error_policy, run};
 
-use execute::apply;
+use execute::KubeExecutor;
 use report::{report_once, write_status};
 
 /// Field manager of every server-side apply.
@@ -125,11 +127,11 @@ impl Error {
         }
     }
 
-    /// The `Degraded` reason this failure is reported under.
-    pub(super) fn degraded_reason(&self) -> &'static str {
+    /// The `Degraded` reason (and Event reason) this failure is reported under.
+    pub(super) fn problem(&self) -> Problem {
         match self {
-            Error::Conflict { .. } => "ObjectConflict",
-            _ => "ApplyFailed",
+            Error::Conflict { .. } => Problem::ObjectConflict,
+            _ => Problem::ApplyFailed,
         }
     }
 }
@@ -216,16 +218,18 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
     let now = (ctx.clock)();
     let recorder = Recorder::new(ctx.client.clone(), ctx.reporter.clone());
     let invalid = names::validate_deployment_name(&name)
-        .map_err(|why| ("InvalidName", why))
-        .and_then(|()| resources::check_role_args(&pdd.spec).map_err(|why| ("InvalidArgs", why)));
-    if let Err((reason, why)) = invalid {
+        .map_err(|why| (Problem::InvalidName, why))
+        .and_then(|()| {
+            resources::check_role_args(&pdd.spec).map_err(|why| (Problem::InvalidArgs, why))
+        });
+    if let Err((problem, why)) = invalid {
         // Children could never be created (the API server refuses their names) or would
         // exit at once (the dataplane refuses their command line): say so once, and
         // wait for the user instead of retrying forever.
         warn!("{why}");
         let mut status = pdd.status.clone().unwrap_or_default();
         status.observed_generation = pdd.metadata.generation;
-        report_once(&recorder, &pdd, &mut status, reason, &why, now).await;
+        report_once(&recorder, &pdd, &mut status, problem, &why, now).await;
         write_status(&api, &name, &status).await?;
         return Ok(Action::await_change());
     }
@@ -248,15 +252,17 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
     // A fresh recorder per reconcile: kube's recorder folds events with the same
     // (type, reason, action, related) into a series for 6 minutes and keeps the first
     // note, which would hide a group's later phase changes.
-    let mut result = Ok(());
-    for action in &plan.actions {
-        // Stop at the first failure: later actions may depend on earlier ones (decode
-        // pods are removed before prefill pods, the Secret is made before the pods).
-        if let Err(e) = apply(&ctx, &pdd, &foreign, &recorder, action).await {
-            result = Err(e);
-            break;
-        }
-    }
+    let mut kube = KubeExecutor {
+        ctx: &ctx,
+        pdd: &pdd,
+        foreign: &foreign,
+        recorder: &recorder,
+        namespace: ns.clone(),
+        name: name.clone(),
+    };
+    let result = executor::execute_all(&mut kube, &plan.actions, now)
+        .await
+        .map_err(|failed| failed.error);
     let mut status = plan.status.clone();
     if let Some(why) = &bad_annotation {
         warn!("{why}");
@@ -264,7 +270,7 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
             &recorder,
             &pdd,
             &mut status,
-            "InvalidRestartRequest",
+            Problem::InvalidRestartRequest,
             why,
             now,
         )
@@ -273,10 +279,10 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
     if let Err(e) = &result {
         // The API server's answer goes where the user looks: the Degraded condition and a
         // Warning Event (once per distinct message).
-        let reason = e.degraded_reason();
+        let problem = e.problem();
         let message = e.user_message();
-        warn!(reason, "{message}");
-        report_once(&recorder, &pdd, &mut status, reason, &message, now).await;
+        warn!(reason = problem.as_str(), "{message}");
+        report_once(&recorder, &pdd, &mut status, problem, &message, now).await;
     }
     // The status is written even after a failed action: it carries the planner's memory
     // (a co-restart's new incarnation), which must not be decided twice.

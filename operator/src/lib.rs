@@ -3,12 +3,14 @@
 
 pub mod controller;
 pub mod crd;
+pub mod executor;
 pub mod leader;
 pub mod local;
 pub mod metrics;
 pub mod names;
 pub mod planner;
 pub mod ready;
+pub mod reasons;
 pub mod resources;
 pub mod role;
 pub mod server;

@@ -31,6 +31,7 @@ mod build;
 mod group;
 mod status;
 
+use crate::reasons::EventReason;
 pub use crate::role::Role;
 
 use group::{ensure_group_objects, find_trigger, scale_down_group, step_group};
@@ -139,7 +140,7 @@ pub enum EventKind {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlannedEvent {
     pub type_: EventKind,
-    pub reason: String,
+    pub reason: EventReason,
     pub group: i32,
     pub message: String,
 }
@@ -275,10 +276,10 @@ impl Ctx<'_> {
         self.requeue = Some(self.requeue.map_or(d, |r| r.min(d)));
     }
 
-    fn event(&mut self, type_: EventKind, reason: &str, group: i32, message: String) {
+    fn event(&mut self, type_: EventKind, reason: EventReason, group: i32, message: String) {
         self.actions.push(PlannedAction::Event(PlannedEvent {
             type_,
-            reason: reason.to_string(),
+            reason,
             group,
             message,
         }));
@@ -533,7 +534,7 @@ fn note_phase(ctx: &mut Ctx<'_>, mem: &GroupStatus, prev: Option<GroupPhase>) {
         message.push_str(": ");
         message.push_str(m);
     }
-    ctx.event(type_, "GroupPhaseChanged", mem.index, message);
+    ctx.event(type_, EventReason::GroupPhaseChanged, mem.index, message);
 }
 
 #[cfg(test)]

@@ -5,9 +5,9 @@ use k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use kube::Resource;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::events::Recorder;
-use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tracing::{info, warn};
 
@@ -15,9 +15,12 @@ use super::observe::Foreign;
 use super::report::publish;
 use super::{Context, Error, FIELD_MANAGER, is_status};
 use crate::crd::{PDDeployment, conditions};
+use crate::executor::Executor;
 use crate::names;
-use crate::planner::PlannedAction;
+use crate::planner::{DeleteReason, PlannedEvent, PodIntent};
+use crate::reasons::ConditionReason;
 use crate::resources;
+use crate::role::Role;
 
 fn apply_params() -> PatchParams {
     PatchParams::apply(FIELD_MANAGER).force()
@@ -78,143 +81,131 @@ where
     }
 }
 
-/// Carry out one planned action. Objects of [`Foreign`] are never written.
-pub(super) async fn apply(
-    ctx: &Context,
-    pdd: &PDDeployment,
-    foreign: &Foreign,
-    recorder: &Recorder,
-    action: &PlannedAction,
-) -> Result<(), Error> {
-    let ns = pdd.namespace().ok_or(Error::NoNamespace)?;
-    let name = pdd.name_any();
-    let client = ctx.client.clone();
-    match action {
-        PlannedAction::ApplyClientService => {
-            check_not_foreign(foreign, "service", &name)?;
-            let api = Api::<Service>::namespaced(client, &ns);
-            server_side_apply(&api, &resources::client_service(pdd)?, "service").await
+/// The Kubernetes executor of one reconcile: carries out the planner's actions on the API
+/// server for one deployment. Objects of [`Foreign`] are never written.
+pub(super) struct KubeExecutor<'a> {
+    pub(super) ctx: &'a Context,
+    pub(super) pdd: &'a PDDeployment,
+    pub(super) foreign: &'a Foreign,
+    pub(super) recorder: &'a Recorder,
+    pub(super) namespace: String,
+    pub(super) name: String,
+}
+
+impl KubeExecutor<'_> {
+    fn api<K>(&self) -> Api<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        K::DynamicType: Default,
+    {
+        Api::namespaced(self.ctx.client.clone(), &self.namespace)
+    }
+}
+
+impl Executor for KubeExecutor<'_> {
+    type Error = Error;
+
+    async fn apply_client_service(&mut self, _now: Timestamp) -> Result<(), Error> {
+        check_not_foreign(self.foreign, "service", &self.name)?;
+        let svc = resources::client_service(self.pdd)?;
+        server_side_apply(&self.api::<Service>(), &svc, "service").await
+    }
+
+    async fn apply_group_service(&mut self, group: i32, _now: Timestamp) -> Result<(), Error> {
+        let svc_name = names::group_service_name(&self.name, group);
+        check_not_foreign(self.foreign, "service", &svc_name)?;
+        let svc = resources::group_service(self.pdd, group)?;
+        server_side_apply(&self.api::<Service>(), &svc, "service").await
+    }
+
+    async fn apply_network_policy(&mut self, group: i32, _now: Timestamp) -> Result<(), Error> {
+        let np_name = names::network_policy_name(&self.name, group);
+        check_not_foreign(self.foreign, "networkpolicy", &np_name)?;
+        let np = resources::network_policy(self.pdd, group)?;
+        server_side_apply(&self.api::<NetworkPolicy>(), &np, "network policy").await
+    }
+
+    async fn create_group_secret(&mut self, group: i32, _now: Timestamp) -> Result<(), Error> {
+        let secret_name = names::group_secret_name(&self.name, group);
+        check_not_foreign(self.foreign, "secret", &secret_name)?;
+        let secret = resources::group_secret(self.pdd, group, &resources::random_group_key())?;
+        // Never overwrite an existing key: pods may be using it.
+        create_if_missing(&self.api::<Secret>(), &secret, "secret").await
+    }
+
+    async fn delete_group_resources(&mut self, group: i32, _now: Timestamp) -> Result<(), Error> {
+        let dp = DeleteParams::default();
+        let svc = names::group_service_name(&self.name, group);
+        if !self.foreign.contains_key(&("service", svc.clone())) {
+            delete(&self.api::<Service>(), &svc, "service", &dp).await?;
         }
-        PlannedAction::ApplyGroupService { group } => {
-            check_not_foreign(
-                foreign,
-                "service",
-                &names::group_service_name(&name, *group),
-            )?;
-            let api = Api::<Service>::namespaced(client, &ns);
-            server_side_apply(&api, &resources::group_service(pdd, *group)?, "service").await
+        let np = names::network_policy_name(&self.name, group);
+        if !self.foreign.contains_key(&("networkpolicy", np.clone())) {
+            delete(&self.api::<NetworkPolicy>(), &np, "network policy", &dp).await?;
         }
-        PlannedAction::ApplyNetworkPolicy { group } => {
-            check_not_foreign(
-                foreign,
-                "networkpolicy",
-                &names::network_policy_name(&name, *group),
-            )?;
-            let api = Api::<NetworkPolicy>::namespaced(client, &ns);
-            let np = resources::network_policy(pdd, *group)?;
-            server_side_apply(&api, &np, "network policy").await
+        let secret = names::group_secret_name(&self.name, group);
+        if !self.foreign.contains_key(&("secret", secret.clone())) {
+            delete(&self.api::<Secret>(), &secret, "secret", &dp).await?;
         }
-        PlannedAction::CreateGroupSecret { group } => {
-            check_not_foreign(foreign, "secret", &names::group_secret_name(&name, *group))?;
-            let api = Api::<Secret>::namespaced(client, &ns);
-            let secret = resources::group_secret(pdd, *group, &resources::random_group_key())?;
-            // Never overwrite an existing key: pods may be using it.
-            create_if_missing(&api, &secret, "secret").await
-        }
-        PlannedAction::CreatePod(intent) => {
-            check_not_foreign(foreign, "pod", &intent.name)?;
-            info!(pod = %intent.name, group = intent.group, role = intent.role.as_str(), incarnation = intent.incarnation, "creating pod");
-            let api = Api::<Pod>::namespaced(client, &ns);
-            // Created, never applied: a pod of another owner with this name (a deployment
-            // of the same name being deleted) must not be taken over.
-            create_if_missing(&api, &resources::pod(pdd, intent)?, "pod").await
-        }
-        PlannedAction::DeletePod {
-            name: pod,
+        Ok(())
+    }
+
+    async fn create_member(&mut self, intent: &PodIntent, _now: Timestamp) -> Result<(), Error> {
+        check_not_foreign(self.foreign, "pod", &intent.name)?;
+        info!(pod = %intent.name, group = intent.group, role = intent.role.as_str(), incarnation = intent.incarnation, "creating pod");
+        // Created, never applied: a pod of another owner with this name (a deployment of
+        // the same name being deleted) must not be taken over.
+        let pod = resources::pod(self.pdd, intent)?;
+        create_if_missing(&self.api::<Pod>(), &pod, "pod").await
+    }
+
+    async fn delete_member(
+        &mut self,
+        pod: &str,
+        group: i32,
+        role: Role,
+        reason: DeleteReason,
+        _now: Timestamp,
+    ) -> Result<(), Error> {
+        info!(pod, group, role = role.as_str(), ?reason, "deleting pod");
+        let dp = DeleteParams::default();
+        delete(&self.api::<Pod>(), pod, "pod", &dp).await
+    }
+
+    async fn force_delete_member(
+        &mut self,
+        pod: &str,
+        group: i32,
+        role: Role,
+        _now: Timestamp,
+    ) -> Result<(), Error> {
+        warn!(
+            pod,
             group,
-            role,
-            reason,
-        } => {
-            info!(pod, group, role = role.as_str(), ?reason, "deleting pod");
-            delete(
-                &Api::<Pod>::namespaced(client, &ns),
-                pod,
-                "pod",
-                &DeleteParams::default(),
-            )
-            .await
-        }
-        PlannedAction::ForceDeletePod {
-            name: pod,
-            group,
-            role,
-        } => {
-            warn!(
-                pod,
-                group,
-                role = role.as_str(),
-                "pod still terminating past its grace period: deleting it with grace 0"
-            );
-            ctx.metrics.force_deleted_pods.inc();
-            delete(
-                &Api::<Pod>::namespaced(client, &ns),
-                pod,
-                "pod",
-                &DeleteParams {
-                    grace_period_seconds: Some(0),
-                    ..Default::default()
-                },
-            )
-            .await
-        }
-        PlannedAction::SetGroupReadyGate { pod, ready } => {
-            set_gate(
-                &Api::<Pod>::namespaced(client, &ns),
-                pod,
-                *ready,
-                (ctx.clock)(),
-            )
-            .await
-        }
-        PlannedAction::DeleteGroupResources { group } => {
-            let g = *group;
-            let dp = DeleteParams::default();
-            let svc = names::group_service_name(&name, g);
-            if !foreign.contains_key(&("service", svc.clone())) {
-                delete(
-                    &Api::<Service>::namespaced(client.clone(), &ns),
-                    &svc,
-                    "service",
-                    &dp,
-                )
-                .await?;
-            }
-            let np = names::network_policy_name(&name, g);
-            if !foreign.contains_key(&("networkpolicy", np.clone())) {
-                delete(
-                    &Api::<NetworkPolicy>::namespaced(client.clone(), &ns),
-                    &np,
-                    "network policy",
-                    &dp,
-                )
-                .await?;
-            }
-            let secret = names::group_secret_name(&name, g);
-            if !foreign.contains_key(&("secret", secret.clone())) {
-                delete(
-                    &Api::<Secret>::namespaced(client, &ns),
-                    &secret,
-                    "secret",
-                    &dp,
-                )
-                .await?;
-            }
-            Ok(())
-        }
-        PlannedAction::Event(ev) => {
-            publish(recorder, pdd, ev).await;
-            Ok(())
-        }
+            role = role.as_str(),
+            "pod still terminating past its grace period: deleting it with grace 0"
+        );
+        self.ctx.metrics.force_deleted_pods.inc();
+        let dp = DeleteParams {
+            grace_period_seconds: Some(0),
+            ..Default::default()
+        };
+        delete(&self.api::<Pod>(), pod, "pod", &dp).await
+    }
+
+    async fn set_group_ready_gate(
+        &mut self,
+        pod: &str,
+        ready: bool,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        set_gate(&self.api::<Pod>(), pod, ready, now).await
+    }
+
+    async fn publish_event(&mut self, event: &PlannedEvent, _now: Timestamp) -> Result<(), Error> {
+        // Best effort: a failure is logged and never fails the reconcile.
+        publish(self.recorder, self.pdd, event).await;
+        Ok(())
     }
 }
 
@@ -229,18 +220,22 @@ async fn set_gate(api: &Api<Pod>, pod: &str, ready: bool, now: Timestamp) -> Res
     let (status, reason, message) = if ready {
         (
             "True",
-            "GroupReady",
+            ConditionReason::GroupReady,
             "every member of the group is ready at one incarnation",
         )
     } else {
-        ("False", "GroupNotReady", "the group is not ready")
+        (
+            "False",
+            ConditionReason::GroupNotReady,
+            "the group is not ready",
+        )
     };
     let patch = json!({
         "status": {
             "conditions": [{
                 "type": conditions::GROUP_READY,
                 "status": status,
-                "reason": reason,
+                "reason": reason.as_str(),
                 "message": message,
                 "lastTransitionTime": Time(now),
             }]

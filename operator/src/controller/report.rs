@@ -14,13 +14,14 @@ use super::{Error, FIELD_MANAGER, MAX_NOTE};
 use crate::crd::{PDDeployment, PDDeploymentStatus, conditions};
 use crate::names;
 use crate::planner::{EventKind, PlannedEvent};
+use crate::reasons::{ConditionReason, EventReason, Problem};
 
-/// Mark `Degraded` True with `reason` unless the planner already reports a degradation,
+/// Mark `Degraded` True with `problem` unless the planner already reports a degradation,
 /// in which case the message is appended.
 pub(super) fn degrade(
     status: &mut PDDeploymentStatus,
     prev: Option<&PDDeploymentStatus>,
-    reason: &str,
+    problem: Problem,
     message: &str,
     now: Timestamp,
 ) {
@@ -35,7 +36,7 @@ pub(super) fn degrade(
             status.conditions.push(Condition {
                 type_: conditions::DEGRADED.into(),
                 status: "False".into(),
-                reason: "AsExpected".into(),
+                reason: ConditionReason::AsExpected.as_str().into(),
                 message: String::new(),
                 last_transition_time: Time(now),
                 observed_generation: generation,
@@ -62,7 +63,7 @@ pub(super) fn degrade(
     *c = Condition {
         type_: conditions::DEGRADED.into(),
         status: "True".into(),
-        reason: reason.into(),
+        reason: ConditionReason::from(problem).as_str().into(),
         message: message.into(),
         last_transition_time: since,
         observed_generation: c.observed_generation,
@@ -76,7 +77,7 @@ pub(super) async fn report_once(
     recorder: &Recorder,
     pdd: &PDDeployment,
     status: &mut PDDeploymentStatus,
-    reason: &str,
+    problem: Problem,
     message: &str,
     now: Timestamp,
 ) {
@@ -94,14 +95,14 @@ pub(super) async fn report_once(
             pdd,
             &PlannedEvent {
                 type_: EventKind::Warning,
-                reason: reason.into(),
+                reason: EventReason::from(problem),
                 group: -1,
                 message: message.into(),
             },
         )
         .await;
     }
-    degrade(status, prev, reason, message, now);
+    degrade(status, prev, problem, message, now);
 }
 
 pub(super) async fn write_status(
@@ -122,24 +123,6 @@ pub(super) async fn write_status(
     .await
     .map_err(Error::kube("writing status"))?;
     Ok(())
-}
-
-pub(super) fn event_action(reason: &str) -> &'static str {
-    match reason {
-        "GroupPhaseChanged" => "UpdateGroupPhase",
-        "ScalingDown" => "ScaleDown",
-        "InvalidRestartRequest" => "ParseAnnotation",
-        "ApplyFailed" | "ObjectConflict" => "Apply",
-        "InvalidName" | "InvalidArgs" => "Validate",
-        "PodForceDeleted" => "ForceDelete",
-        r if crate::crd::CoRestartReason::ALL
-            .iter()
-            .any(|c| c.as_str() == r) =>
-        {
-            "CoRestart"
-        }
-        _ => "Reconcile",
-    }
 }
 
 /// Publish an event on the deployment. Events are best effort: a failure is logged and
@@ -167,9 +150,9 @@ pub(super) async fn publish(recorder: &Recorder, pdd: &PDDeployment, ev: &Planne
             EventKind::Normal => EventType::Normal,
             EventKind::Warning => EventType::Warning,
         },
-        reason: ev.reason.clone(),
+        reason: ev.reason.as_str().into(),
         note: Some(note),
-        action: event_action(&ev.reason).into(),
+        action: ev.reason.action().into(),
         secondary,
     };
     if let Err(e) = recorder.publish(&event, &pdd.object_ref(&())).await {

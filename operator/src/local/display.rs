@@ -125,11 +125,7 @@ pub fn render(snap: &Snapshot, now: Timestamp) -> Vec<String> {
         .collect();
     for e in recent.into_iter().rev() {
         let mark = if e.warning { "!" } else { " " };
-        let reason = if e.reason.is_empty() {
-            String::new()
-        } else {
-            format!("{} ", e.reason)
-        };
+        let reason = e.reason.map(|r| format!("{r} ")).unwrap_or_default();
         out.push(format!(
             " {mark}{:>5} ago  {reason}{}",
             ago(now, e.time),

@@ -29,9 +29,13 @@ use tracing::{info, warn};
 use super::env::{self, PodFacts};
 use super::member::{Exit, Member, ProbeOutcome, Readiness, Termination};
 use crate::names;
+use futures::FutureExt;
+
+use crate::executor::{self, Executor};
 use crate::planner::{
     DeleteReason, EventKind, Observed, PlannedAction, PlannedEvent, PodIntent, Role,
 };
+use crate::reasons::EventReason;
 use crate::resources::{self, DataplaneNetwork};
 
 /// Starting and signalling processes (real ones in [`super::process`]).
@@ -101,9 +105,15 @@ pub struct Entry {
     /// -1 when not about one group.
     pub group: i32,
     pub pod: Option<String>,
-    /// A planner Event's reason (`MemberFailed`, `GroupPhaseChanged`, …), else empty.
-    pub reason: String,
+    /// A planner Event's reason (`MemberFailed`, `GroupPhaseChanged`, …) or the runtime's
+    /// own (`SpecChanged`, …); shown as `""` when the entry has none.
+    #[serde(serialize_with = "reason_or_empty")]
+    pub reason: Option<EventReason>,
     pub message: String,
+}
+
+fn reason_or_empty<S: serde::Serializer>(r: &Option<EventReason>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(r.map_or("", EventReason::as_str))
 }
 
 /// The newest entries, oldest first.
@@ -124,7 +134,7 @@ impl Record {
         warning: bool,
         group: i32,
         pod: Option<&str>,
-        reason: &str,
+        reason: Option<EventReason>,
         message: String,
     ) {
         let entry = Entry {
@@ -134,14 +144,14 @@ impl Record {
             warning,
             group,
             pod: pod.map(str::to_string),
-            reason: reason.to_string(),
+            reason,
             message,
         };
         self.next += 1;
         // Only the fields that are set appear on the log line.
         let pod = entry.pod.as_deref();
         let group = (group >= 0).then_some(group);
-        let reason = (!reason.is_empty()).then_some(reason);
+        let reason = reason.map(EventReason::as_str);
         if warning {
             warn!(kind = ?entry.kind, group, pod, reason, "{}", entry.message);
         } else {
@@ -180,7 +190,7 @@ pub struct ExecutorConfig {
     pub log_dir: PathBuf,
 }
 
-pub struct Executor<P> {
+pub struct LocalExecutor<P> {
     pub config: ExecutorConfig,
     pub members: BTreeMap<String, Member>,
     pub objects: LocalObjects,
@@ -205,7 +215,7 @@ fn delete_reason(r: DeleteReason) -> String {
     }
 }
 
-impl<P: Processes> Executor<P> {
+impl<P: Processes> LocalExecutor<P> {
     pub fn new(config: ExecutorConfig, processes: P) -> Self {
         Self {
             config,
@@ -241,91 +251,25 @@ impl<P: Processes> Executor<P> {
             .collect()
     }
 
-    /// Carry out one action. An error leaves the state as it was (the next reconcile
-    /// plans the action again).
+    /// Carry out one action (through [`crate::executor::execute`], the dispatch the
+    /// controller uses too). An error leaves the state as it was (the next reconcile plans
+    /// the action again).
     pub fn execute(&mut self, action: &PlannedAction, now: Timestamp) -> Result<(), String> {
-        let o = &mut self.objects;
-        match action {
-            PlannedAction::ApplyClientService => {
-                o.client_service = true;
-            }
-            PlannedAction::ApplyGroupService { group } => {
-                o.group_services.insert(*group);
-            }
-            PlannedAction::ApplyNetworkPolicy { group } => {
-                o.network_policies.insert(*group);
-            }
-            PlannedAction::CreateGroupSecret { group } => {
-                // Never overwrite a key: members may be using it.
-                if !o.keys.contains_key(group) {
-                    o.keys.insert(*group, resources::random_group_key());
-                    self.record.push(
-                        now,
-                        EntryKind::Object,
-                        false,
-                        *group,
-                        None,
-                        "",
-                        format!("group {group}: generated its group key"),
-                    );
-                }
-            }
-            PlannedAction::DeleteGroupResources { group } => {
-                o.group_services.remove(group);
-                o.network_policies.remove(group);
-                if o.keys.remove(group).is_some() {
-                    self.record.push(
-                        now,
-                        EntryKind::Object,
-                        false,
-                        *group,
-                        None,
-                        "",
-                        format!("group {group}: removed its group key"),
-                    );
-                }
-            }
-            PlannedAction::CreatePod(intent) => self.create(intent, now)?,
-            PlannedAction::DeletePod {
-                name, role, reason, ..
-            } => self.delete(name, *role, &delete_reason(*reason), now),
-            PlannedAction::ForceDeletePod { name, .. } => self.force_delete(name, now),
-            PlannedAction::SetGroupReadyGate { pod, ready } => {
-                if let Some(m) = self.members.get_mut(pod)
-                    && m.gate != *ready
-                {
-                    m.gate = *ready;
-                    let (kind, what) = if *ready {
-                        (EntryKind::GateOpened, "in the router: its group is Ready")
-                    } else {
-                        (
-                            EntryKind::GateClosed,
-                            "out of the router: its group is not Ready",
-                        )
-                    };
-                    let (g, msg) = (m.group, format!("{pod}: {what}"));
-                    self.record.push(now, kind, !*ready, g, Some(pod), "", msg);
-                }
-            }
-            PlannedAction::Event(PlannedEvent {
-                type_,
-                reason,
-                group,
-                message,
-            }) => {
-                let warning = *type_ == EventKind::Warning;
-                self.record.push(
-                    now,
-                    EntryKind::Event,
-                    warning,
-                    *group,
-                    None,
-                    reason,
-                    message.clone(),
-                );
-            }
-        }
-        Ok(())
+        executor::execute(self, action, now)
+            .now_or_never()
+            .expect("the local executor never waits")
+    }
+
+    /// Carry out a plan's actions in order, stopping at the first failure
+    /// ([`crate::executor::execute_all`]).
+    pub fn execute_all<'a>(
+        &mut self,
+        actions: &'a [PlannedAction],
+        now: Timestamp,
+    ) -> Result<(), executor::Failed<'a, String>> {
+        executor::execute_all(self, actions, now)
+            .now_or_never()
+            .expect("the local executor never waits")
     }
 
     fn create(&mut self, intent: &PodIntent, now: Timestamp) -> Result<(), String> {
@@ -411,7 +355,7 @@ impl<P: Processes> Executor<P> {
             false,
             intent.group,
             Some(&intent.name),
-            "",
+            None,
             format!(
                 "started {} {} (pid {pid}, incarnation {}, http {}, kv port {kv_port}); log {}",
                 intent.role.as_str(),
@@ -442,8 +386,15 @@ impl<P: Processes> Executor<P> {
             m.group,
             format!("SIGKILL to {pod} (pid {}): force delete", m.pid),
         );
-        self.record
-            .push(now, EntryKind::Terminating, true, group, Some(pod), "", msg);
+        self.record.push(
+            now,
+            EntryKind::Terminating,
+            true,
+            group,
+            Some(pod),
+            None,
+            msg,
+        );
     }
 
     fn delete(&mut self, pod: &str, role: Role, why: &str, now: Timestamp) {
@@ -459,7 +410,7 @@ impl<P: Processes> Executor<P> {
             );
             self.members.remove(pod);
             self.record
-                .push(now, EntryKind::Removed, false, group, Some(pod), "", msg);
+                .push(now, EntryKind::Removed, false, group, Some(pod), None, msg);
             return;
         }
         if m.terminating.is_some() {
@@ -485,7 +436,7 @@ impl<P: Processes> Executor<P> {
             false,
             group,
             Some(pod),
-            "",
+            None,
             msg,
         );
     }
@@ -516,7 +467,7 @@ impl<P: Processes> Executor<P> {
                 true,
                 m.group,
                 Some(&m.name),
-                "",
+                None,
                 format!("SIGKILL to {} (pid {}): {why}", m.name, m.pid),
             );
         }
@@ -560,7 +511,7 @@ impl<P: Processes> Executor<P> {
             );
             self.members.remove(pod);
             self.record
-                .push(now, EntryKind::Exited, false, group, Some(pod), "", msg);
+                .push(now, EntryKind::Exited, false, group, Some(pod), None, msg);
             return;
         }
         let how = match &m.startup_failure {
@@ -579,7 +530,7 @@ impl<P: Processes> Executor<P> {
             success,
         });
         self.record
-            .push(now, EntryKind::Exited, true, group, Some(pod), "", msg);
+            .push(now, EntryKind::Exited, true, group, Some(pod), None, msg);
     }
 
     /// A probe result; returns true when the member's readiness changed, or the reason a
@@ -610,7 +561,7 @@ impl<P: Processes> Executor<P> {
             );
             let g = m.group;
             self.record
-                .push(now, EntryKind::NotReady, true, g, Some(pod), "", msg);
+                .push(now, EntryKind::NotReady, true, g, Some(pod), None, msg);
             return true;
         }
         let (kind, msg) = if m.readiness.ready {
@@ -633,7 +584,8 @@ impl<P: Processes> Executor<P> {
             )
         };
         let (g, warning) = (m.group, !m.readiness.ready);
-        self.record.push(now, kind, warning, g, Some(pod), "", msg);
+        self.record
+            .push(now, kind, warning, g, Some(pod), None, msg);
         true
     }
 
@@ -674,7 +626,7 @@ impl<P: Processes> Executor<P> {
                     true,
                     m.group,
                     Some(&m.name),
-                    "",
+                    None,
                     msg,
                 );
             }
@@ -695,6 +647,128 @@ impl<P: Processes> Executor<P> {
                 None => None,
             })
             .min()
+    }
+}
+
+impl<P: Processes> Executor for LocalExecutor<P> {
+    type Error = String;
+
+    /// The router is already listening: recorded.
+    async fn apply_client_service(&mut self, _now: Timestamp) -> Result<(), String> {
+        self.objects.client_service = true;
+        Ok(())
+    }
+
+    /// Nothing to do on loopback: recorded.
+    async fn apply_group_service(&mut self, group: i32, _now: Timestamp) -> Result<(), String> {
+        self.objects.group_services.insert(group);
+        Ok(())
+    }
+
+    /// Nothing to do on loopback: recorded.
+    async fn apply_network_policy(&mut self, group: i32, _now: Timestamp) -> Result<(), String> {
+        self.objects.network_policies.insert(group);
+        Ok(())
+    }
+
+    async fn create_group_secret(&mut self, group: i32, now: Timestamp) -> Result<(), String> {
+        // Never overwrite a key: members may be using it.
+        if let std::collections::btree_map::Entry::Vacant(slot) = self.objects.keys.entry(group) {
+            slot.insert(resources::random_group_key());
+            self.record.push(
+                now,
+                EntryKind::Object,
+                false,
+                group,
+                None,
+                None,
+                format!("group {group}: generated its group key"),
+            );
+        }
+        Ok(())
+    }
+
+    async fn delete_group_resources(&mut self, group: i32, now: Timestamp) -> Result<(), String> {
+        let o = &mut self.objects;
+        o.group_services.remove(&group);
+        o.network_policies.remove(&group);
+        if o.keys.remove(&group).is_some() {
+            self.record.push(
+                now,
+                EntryKind::Object,
+                false,
+                group,
+                None,
+                None,
+                format!("group {group}: removed its group key"),
+            );
+        }
+        Ok(())
+    }
+
+    async fn create_member(&mut self, intent: &PodIntent, now: Timestamp) -> Result<(), String> {
+        self.create(intent, now)
+    }
+
+    async fn delete_member(
+        &mut self,
+        pod: &str,
+        _group: i32,
+        role: Role,
+        reason: DeleteReason,
+        now: Timestamp,
+    ) -> Result<(), String> {
+        self.delete(pod, role, &delete_reason(reason), now);
+        Ok(())
+    }
+
+    async fn force_delete_member(
+        &mut self,
+        pod: &str,
+        _group: i32,
+        _role: Role,
+        now: Timestamp,
+    ) -> Result<(), String> {
+        self.force_delete(pod, now);
+        Ok(())
+    }
+
+    async fn set_group_ready_gate(
+        &mut self,
+        pod: &str,
+        ready: bool,
+        now: Timestamp,
+    ) -> Result<(), String> {
+        if let Some(m) = self.members.get_mut(pod)
+            && m.gate != ready
+        {
+            m.gate = ready;
+            let (kind, what) = if ready {
+                (EntryKind::GateOpened, "in the router: its group is Ready")
+            } else {
+                (
+                    EntryKind::GateClosed,
+                    "out of the router: its group is not Ready",
+                )
+            };
+            let (g, msg) = (m.group, format!("{pod}: {what}"));
+            self.record.push(now, kind, !ready, g, Some(pod), None, msg);
+        }
+        Ok(())
+    }
+
+    async fn publish_event(&mut self, event: &PlannedEvent, now: Timestamp) -> Result<(), String> {
+        let warning = event.type_ == EventKind::Warning;
+        self.record.push(
+            now,
+            EntryKind::Event,
+            warning,
+            event.group,
+            None,
+            Some(event.reason),
+            event.message.clone(),
+        );
+        Ok(())
     }
 }
 

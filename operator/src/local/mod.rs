@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use tracing::info;
 
-use self::executor::{Executor, ExecutorConfig};
+use self::executor::{ExecutorConfig, LocalExecutor};
 use self::input::Input;
 use self::process::LocalProcesses;
 use self::runtime::{Descr, Runtime};
@@ -186,7 +186,7 @@ pub async fn run(opts: Options, manifest: manifest::Manifest) -> Result<()> {
         .namespace
         .clone()
         .unwrap_or_else(|| "default".into());
-    let exec = Executor::new(
+    let exec = LocalExecutor::new(
         ExecutorConfig {
             deployment: name.clone(),
             namespace,

@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use super::executor::{EntryKind, Executor};
+use super::executor::{EntryKind, LocalExecutor};
 pub use super::input::Input;
 use super::manifest::Manifest;
 use super::metrics::LocalMetrics;
@@ -26,6 +26,7 @@ use super::snapshot::{self, MemberView, Snapshot};
 use crate::crd::{PDDeploymentStatus, RevisionedSpec};
 use crate::metrics::Metrics;
 use crate::planner::{self, PlanInput, PlannedAction, Role};
+use crate::reasons::EventReason;
 
 /// Reconcile at least this often.
 pub const RESYNC: Duration = Duration::from_secs(5);
@@ -49,7 +50,7 @@ pub struct Runtime {
     pub generation: i64,
     pub spec_error: Option<String>,
     pub status: Option<PDDeploymentStatus>,
-    pub exec: Executor<LocalProcesses>,
+    pub exec: LocalExecutor<LocalProcesses>,
     pub metrics: Arc<Metrics>,
     pub local: LocalMetrics,
     pub snapshot: watch::Sender<Arc<Snapshot>>,
@@ -68,7 +69,7 @@ impl Runtime {
     pub fn new(
         descr: Descr,
         manifest: Manifest,
-        exec: Executor<LocalProcesses>,
+        exec: LocalExecutor<LocalProcesses>,
         metrics: Arc<Metrics>,
         local: LocalMetrics,
         snapshot: watch::Sender<Arc<Snapshot>>,
@@ -174,9 +175,15 @@ impl Runtime {
             Err(e) => {
                 let msg = format!("the edited manifest is not used, the running spec stays: {e}");
                 self.spec_error = Some(e);
-                self.exec
-                    .record
-                    .push(now, EntryKind::Spec, true, -1, None, "InvalidSpec", msg);
+                self.exec.record.push(
+                    now,
+                    EntryKind::Spec,
+                    true,
+                    -1,
+                    None,
+                    Some(EventReason::InvalidSpec),
+                    msg,
+                );
                 return;
             }
         };
@@ -205,7 +212,7 @@ impl Runtime {
                 false,
                 -1,
                 None,
-                "SpecChanged",
+                Some(EventReason::SpecChanged),
                 format!("spec changed (generation {}): {what}", self.generation),
             );
         }
@@ -216,7 +223,7 @@ impl Runtime {
                 false,
                 -1,
                 None,
-                "RestartRequested",
+                Some(EventReason::RestartRequestChanged),
                 format!(
                     "tandem.dev/restart-requested-at is now {}",
                     m.restart_requested_at
@@ -243,16 +250,16 @@ impl Runtime {
                 observed: &observed,
                 now,
             });
-            let mut acted = false;
-            let mut failed = None;
-            for action in &plan.actions {
-                acted |= !matches!(action, PlannedAction::Event(_));
-                if let Err(e) = self.exec.execute(action, now) {
-                    // Later actions may depend on this one (decode after prefill): stop.
-                    failed = Some((action.clone(), e));
-                    break;
-                }
-            }
+            let acted = plan
+                .actions
+                .iter()
+                .any(|a| !matches!(a, PlannedAction::Event(_)));
+            // In the plan's order, stopping at the first failure, as the controller does.
+            let failed = self
+                .exec
+                .execute_all(&plan.actions, now)
+                .err()
+                .map(|f| (f.action.clone(), f.error));
             // The status carries the planner's memory (a co-restart's new incarnation)
             // even when an action failed, as the controller writes it.
             self.status = Some(plan.status.clone());
@@ -279,7 +286,7 @@ impl Runtime {
                     true,
                     group,
                     None,
-                    "ActionFailed",
+                    Some(EventReason::ActionFailed),
                     format!("{e}; retrying in {}s", delay.as_secs()),
                 );
                 return;
@@ -378,7 +385,7 @@ impl Runtime {
         &mut self,
         rx: &mut UnboundedReceiver<Input>,
         deadline: Instant,
-        done: impl Fn(&Executor<LocalProcesses>) -> bool,
+        done: impl Fn(&LocalExecutor<LocalProcesses>) -> bool,
     ) -> bool {
         while !done(&self.exec) {
             let input = tokio::select! {

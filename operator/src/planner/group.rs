@@ -13,6 +13,7 @@ use super::{
     note_phase, until,
 };
 use crate::crd::{CoRestartReason, CoRestartRecord, GroupPhase, GroupStatus, RestartPolicy};
+use crate::reasons::EventReason;
 
 /// The group's Service and NetworkPolicy (applied every time), and its key Secret (created
 /// only when missing: pods may be using the key).
@@ -44,7 +45,7 @@ pub(super) fn scale_down_group(
     if mem.phase != GroupPhase::ScalingDown {
         ctx.event(
             EventKind::Normal,
-            "ScalingDown",
+            EventReason::ScalingDown,
             g,
             format!(
                 "group {g}: removing (spec.groups is {})",
@@ -114,7 +115,7 @@ fn force_delete_if_stuck(ctx: &mut Ctx<'_>, p: &ObservedPod) {
     });
     ctx.event(
         EventKind::Warning,
-        "PodForceDeleted",
+        EventReason::PodForceDeleted,
         p.group,
         format!(
             "{} pod {} is still terminating {}s after its grace period ended (its node is gone or its kubelet hung): deleted with grace period 0",
@@ -335,7 +336,7 @@ fn co_restart(ctx: &mut Ctx<'_>, mem: &mut GroupStatus, t: &Trigger) -> bool {
     };
     ctx.event(
         type_,
-        t.reason.as_str(),
+        EventReason::CoRestart(t.reason),
         g,
         format!(
             "group {g} co-restart: incarnation {old} → {new}, revision {rev}: {}",

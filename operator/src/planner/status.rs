@@ -6,6 +6,7 @@ use k8s_openapi::jiff::Timestamp;
 
 use super::{Ctx, decode_selector};
 use crate::crd::{DecodeNotReady, GroupPhase, GroupStatus, PDDeploymentStatus, conditions};
+use crate::reasons::ConditionReason;
 
 /// Groups whose decode reason is spelled out in the `BootstrapHealthy` message.
 const MAX_REPORTED_GROUPS: usize = 5;
@@ -50,9 +51,9 @@ pub(super) fn summarize(
         conditions::AVAILABLE,
         ready >= needed,
         if ready >= needed {
-            "MinimumGroupsAvailable"
+            ConditionReason::MinimumGroupsAvailable
         } else {
-            "GroupsUnavailable"
+            ConditionReason::GroupsUnavailable
         },
         format!("{ready} of {desired} groups ready (at least {needed} needed)"),
         now,
@@ -63,15 +64,15 @@ pub(super) fn summarize(
     let (progressing, reason, message) = if rolled_out {
         (
             false,
-            "Complete",
+            ConditionReason::Complete,
             format!("{desired} groups ready at revision {}", ctx.update_revision),
         )
     } else if paused {
-        (false, "Paused", "rollout paused".to_string())
+        (false, ConditionReason::Paused, "rollout paused".to_string())
     } else {
         (
             true,
-            "Updating",
+            ConditionReason::Updating,
             format!(
                 "{ready} of {desired} groups ready, {updated} at revision {}",
                 ctx.update_revision
@@ -107,7 +108,7 @@ pub(super) fn summarize(
     let (degraded, reason, message) = if !backoff.is_empty() {
         (
             true,
-            "CoRestartBackoff",
+            ConditionReason::CoRestartBackoff,
             format!(
                 "co-restart held back by backoff for groups {}",
                 list(&backoff)
@@ -116,17 +117,21 @@ pub(super) fn summarize(
     } else if let Some(g) = held.first() {
         (
             true,
-            "CoRestartSuppressed",
+            ConditionReason::CoRestartSuppressed,
             g.message.clone().unwrap_or_default(),
         )
     } else if !broken.is_empty() {
         (
             true,
-            "GroupBroken",
+            ConditionReason::GroupBroken,
             format!("groups {} broken", list(&broken)),
         )
     } else {
-        (false, "AsExpected", "no group is broken".to_string())
+        (
+            false,
+            ConditionReason::AsExpected,
+            "no group is broken".to_string(),
+        )
     };
     set_condition(
         &mut conditions,
@@ -151,7 +156,7 @@ pub(super) fn summarize(
         .collect();
     let (reason, message) = if healthy {
         (
-            "AllChannelsHealthy".to_string(),
+            ConditionReason::AllChannelsHealthy,
             format!("every decode of {desired} groups reports its KV channel healthy"),
         )
     } else {
@@ -171,9 +176,8 @@ pub(super) fn summarize(
         // The first decode's own reason, verbatim when Kubernetes accepts it as a
         // condition reason (every reason of docs/readiness.md does).
         let reason = match reported.first() {
-            Some((_, d)) if is_condition_reason(&d.reason) => d.reason.clone(),
-            Some(_) => "DecodeNotReady".to_string(),
-            None => "ChannelNotReady".to_string(),
+            Some((_, d)) => ConditionReason::from_decode(&d.reason),
+            None => ConditionReason::ChannelNotReady,
         };
         (reason, message)
     };
@@ -182,7 +186,7 @@ pub(super) fn summarize(
         prev_conds,
         conditions::BOOTSTRAP_HEALTHY,
         healthy,
-        &reason,
+        reason,
         message,
         now,
         generation,
@@ -202,22 +206,6 @@ pub(super) fn summarize(
     }
 }
 
-/// Whether the API server accepts `s` as a condition's `reason`: at most 1024 characters
-/// matching `^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$`.
-pub(crate) fn is_condition_reason(s: &str) -> bool {
-    let b = s.as_bytes();
-    let inner = |c: &u8| c.is_ascii_alphanumeric() || matches!(c, b'_' | b',' | b':');
-    match (b.first(), b.last()) {
-        (Some(first), Some(last)) => {
-            b.len() <= 1024
-                && first.is_ascii_alphabetic()
-                && (last.is_ascii_alphanumeric() || *last == b'_')
-                && b.iter().all(inner)
-        }
-        _ => false,
-    }
-}
-
 fn list(groups: &[i32]) -> String {
     groups
         .iter()
@@ -233,7 +221,7 @@ fn set_condition(
     prev: &[Condition],
     type_: &str,
     ok: bool,
-    reason: &str,
+    reason: ConditionReason,
     message: String,
     now: Timestamp,
     generation: Option<i64>,
@@ -247,7 +235,7 @@ fn set_condition(
     conditions.push(Condition {
         type_: type_.to_string(),
         status,
-        reason: reason.to_string(),
+        reason: reason.as_str().to_string(),
         message,
         last_transition_time: last,
         observed_generation: generation,

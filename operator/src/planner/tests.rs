@@ -155,7 +155,7 @@ fn member_failed_removes_decode_then_prefill_then_rebuilds_prefill_first() {
         "decode first, alone"
     );
     let ev = sim.events(&plan);
-    assert!(ev.iter().any(|e| e.reason == "MemberFailed"
+    assert!(ev.iter().any(|e| e.reason.as_str() == "MemberFailed"
         && e.type_ == EventKind::Warning
         && e.message.contains("incarnation 1 → 2")));
     let g = sim.group(0);
@@ -318,7 +318,7 @@ fn revision_change_rolls_one_group_at_a_time_highest_first() {
     let ev = sim.events(&plan);
     assert!(
         ev.iter()
-            .any(|e| e.reason == "RevisionChanged" && e.type_ == EventKind::Normal)
+            .any(|e| e.reason.as_str() == "RevisionChanged" && e.type_ == EventKind::Normal)
     );
     // Group 2 is down: nothing else starts.
     assert!(sim.reconcile().co_restarts.is_empty());
@@ -713,7 +713,7 @@ fn a_pod_stuck_terminating_past_its_grace_is_force_deleted() {
     assert!(
         sim.events(&plan)
             .iter()
-            .any(|e| e.reason == "PodForceDeleted"
+            .any(|e| e.reason.as_str() == "PodForceDeleted"
                 && e.type_ == EventKind::Warning
                 && e.message.contains(&d))
     );
@@ -907,7 +907,7 @@ fn a_reason_kubernetes_would_refuse_is_not_the_condition_reason() {
 #[test]
 fn condition_reasons_follow_the_api_servers_rule() {
     for ok in ["auth_failed", "A", "DecodeNotReady", "a:b,c_d", "x_"] {
-        assert!(status::is_condition_reason(ok), "{ok}");
+        assert!(crate::reasons::is_condition_reason(ok), "{ok}");
     }
     for bad in [
         "",
@@ -920,7 +920,7 @@ fn condition_reasons_follow_the_api_servers_rule() {
         "ü",
         &"a".repeat(1025),
     ] {
-        assert!(!status::is_condition_reason(bad), "{bad}");
+        assert!(!crate::reasons::is_condition_reason(bad), "{bad}");
     }
 }
 
@@ -973,7 +973,7 @@ fn several_groups_report_the_lowest_first_and_a_co_restart_names_the_reason() {
     let ev = sim
         .events(&plan)
         .into_iter()
-        .find(|e| e.group == 0 && e.reason == "MemberNotReady")
+        .find(|e| e.group == 0 && e.reason.as_str() == "MemberNotReady")
         .unwrap();
     assert!(
         ev.message.ends_with(&format!(

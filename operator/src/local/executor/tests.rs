@@ -5,6 +5,7 @@ use std::net::Ipv4Addr;
 use super::*;
 use crate::crd::{CoRestartReason, GroupPhase, PDDeploymentStatus};
 use crate::planner::{self, PlanInput, PodPhase, ReadyDetail};
+use crate::reasons::EventReason;
 use crate::testutil::spec;
 
 #[derive(Default)]
@@ -42,8 +43,8 @@ fn t(s: i64) -> Timestamp {
     Timestamp::from_second(1_800_000_000 + s).unwrap()
 }
 
-fn executor() -> Executor<Fake> {
-    Executor::new(
+fn executor() -> LocalExecutor<Fake> {
+    LocalExecutor::new(
         ExecutorConfig {
             deployment: "demo".into(),
             namespace: "default".into(),
@@ -187,7 +188,7 @@ fn a_decode_without_its_prefill_or_a_failed_spawn_is_an_error_that_changes_nothi
     assert!(err.contains("demo-g0-key"), "{err}");
 }
 
-fn started(x: &mut Executor<Fake>) {
+fn started(x: &mut LocalExecutor<Fake>) {
     x.execute(&PlannedAction::CreateGroupSecret { group: 0 }, t(0))
         .unwrap();
     x.execute(
@@ -376,7 +377,7 @@ fn the_planner_through_this_executor_co_restarts_prefill_first() {
     let mut x = executor();
     let mut status: Option<PDDeploymentStatus> = None;
     let mut clock = 0;
-    let mut reconcile = |x: &mut Executor<Fake>, clock: i64| {
+    let mut reconcile = |x: &mut LocalExecutor<Fake>, clock: i64| {
         for _ in 0..5 {
             let observed = x.observed();
             let plan = planner::plan(&PlanInput {
@@ -481,9 +482,8 @@ fn the_planner_through_this_executor_co_restarts_prefill_first() {
     assert!(seq(EntryKind::Exited, "demo-g0-i1-p0") < seq(EntryKind::Started, "demo-g0-i2-p0"));
     assert!(seq(EntryKind::Ready, "demo-g0-i2-p0") < seq(EntryKind::Started, "demo-g0-i2-d0"));
     assert!(
-        x.record
-            .entries()
-            .any(|e| e.kind == EntryKind::Event && e.reason == "MemberFailed"),
+        x.record.entries().any(|e| e.kind == EntryKind::Event
+            && e.reason.map(EventReason::as_str) == Some("MemberFailed")),
         "the co-restart event is in the record"
     );
 }
