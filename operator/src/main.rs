@@ -198,12 +198,51 @@ async fn shutdown_signal() {
     }
 }
 
+/// The Kubernetes controller: clients, metrics server, leader election (when on), then the
+/// controller until a signal or the loss of the lease; a bounded shutdown; the lease
+/// released. Each step is one function below.
 async fn run_controller(args: ControllerArgs) -> anyhow::Result<()> {
     init_tracing(args.log_format);
+    let (client, watch_client) = clients().await?;
+    let metrics = Arc::new(Metrics::new());
+    let identity = leader::identity(&base_identity(&args));
+    let stop = stop_on_signal();
+    let mut readiness = Readiness::default();
+    let mut election = args
+        .leader_election
+        .then(|| Election::start(&client, &args.lease_namespace, &identity, stop.clone()));
+    readiness.election = election.as_ref().map(|e| e.view.clone());
+    serve_metrics(args.metrics_addr, &metrics, &readiness, &identity).await?;
+    if let Some(e) = &mut election
+        && !e.wait_until_leading(stop.clone()).await
+    {
+        info!("stopped while standing by");
+        return Ok(());
+    }
+    metrics.is_leader.set(1);
+    let reporter = Reporter {
+        controller: "tandem-operator".into(),
+        instance: Some(identity.clone()),
+    };
+    let ctx =
+        Arc::new(Context::new(client, metrics.clone(), reporter).with_watch_client(watch_client));
+    readiness.set_controller_started(true);
+    let leader = election.as_ref().map(|e| e.leader.clone());
+    let run = run_until_stopped(ctx, args.namespace.as_deref(), stop, leader).await;
+    readiness.set_controller_started(false);
+    metrics.is_leader.set(0);
+    run.context("running the controller")?;
+    if let Some(e) = election {
+        e.finish().await?;
+    }
+    info!("stopped");
+    Ok(())
+}
 
-    // Two clients: requests time out after REQUEST_TIMEOUT (a hung request must not stall
-    // a reconcile or the election forever); watches keep kube's long read timeout, since
-    // the server holds a quiet watch open for minutes.
+/// Two clients: requests time out after [`REQUEST_TIMEOUT`] (a hung request must not stall
+/// a reconcile or the election forever); watches keep kube's long read timeout, since the
+/// server holds a quiet watch open for minutes. Returns (requests, watches).
+async fn clients() -> anyhow::Result<(Client, Client)> {
     let config = kube::Config::infer()
         .await
         .context("loading the Kubernetes client configuration")?;
@@ -211,159 +250,169 @@ async fn run_controller(args: ControllerArgs) -> anyhow::Result<()> {
     let mut request_config = config;
     request_config.read_timeout = Some(REQUEST_TIMEOUT);
     let client = Client::try_from(request_config).context("building a Kubernetes client")?;
-    let metrics = Arc::new(Metrics::new());
-    let base = args
-        .identity
+    Ok((client, watch_client))
+}
+
+fn base_identity(args: &ControllerArgs) -> String {
+    args.identity
         .clone()
         .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "tandem-operator".into());
-    let identity = leader::identity(&base);
+        .unwrap_or_else(|| "tandem-operator".into())
+}
 
-    // One stop flag for everything: set by a signal.
+/// One stop flag for everything, set by SIGTERM or SIGINT.
+fn stop_on_signal() -> watch::Receiver<bool> {
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         shutdown_signal().await;
         stop_tx.send_replace(true);
     });
-    let stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
+    stop_rx
+}
 
-    let mut readiness = Readiness::default();
-    let mut election = None;
-    if args.leader_election {
-        let cfg = ElectionConfig::new(args.lease_namespace.clone(), identity.clone());
-        let (leader_tx, leader_rx) = watch::channel(false);
-        let (ok_tx, ok_rx) = watch::channel(None);
-        readiness.election = Some(ElectionView {
-            leader: leader_rx.clone(),
-            last_ok: ok_rx,
-            stale_after: cfg.lease_duration * 2,
-        });
-        let elector = Elector::new(client.clone(), cfg);
-        let stop = stop_rx.clone();
-        let task = tokio::spawn(async move {
-            let outcome = elector.run(leader_tx, ok_tx, stop).await;
-            (elector, outcome)
-        });
-        election = Some((leader_rx, task));
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// Resolves when `leader` says the lease is lost; never without an election.
+async fn lease_lost(leader: Option<watch::Receiver<bool>>) {
+    match leader {
+        Some(mut rx) => {
+            let _ = rx.wait_for(|l| !*l).await;
+        }
+        None => std::future::pending::<()>().await,
     }
+}
 
-    let listener = TcpListener::bind(args.metrics_addr)
+/// `/metrics`, `/health` and `/ready` on `addr`, for as long as the process runs.
+async fn serve_metrics(
+    addr: SocketAddr,
+    metrics: &Arc<Metrics>,
+    readiness: &Readiness,
+    identity: &str,
+) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(addr)
         .await
-        .with_context(|| format!("binding {}", args.metrics_addr))?;
-    info!(addr = %args.metrics_addr, %identity, "serving /metrics, /health, /ready");
+        .with_context(|| format!("binding {addr}"))?;
+    info!(%addr, %identity, "serving /metrics, /health, /ready");
     tokio::spawn(server::serve(
         listener,
         metrics.clone(),
         readiness.clone(),
         std::future::pending::<()>(),
     ));
+    Ok(())
+}
 
-    // Wait for the lease (or a signal while standing by).
-    if let Some((leader_rx, _)) = &mut election {
-        info!(identity, "waiting for the leader lease");
-        tokio::select! {
-            r = leader_rx.wait_for(|l| *l) => {
-                // The elector only gives up on a signal (Stopped) before leading.
-                if r.is_err() {
-                    info!("stopped while standing by");
-                    return Ok(());
-                }
-            }
-            _ = stopped(stop_rx.clone()) => {
-                info!("stopped while standing by");
-                return Ok(());
-            }
-        }
-        info!("leading");
-    }
-    metrics.is_leader.set(1);
+/// The leader election running beside the controller.
+struct Election {
+    leader: watch::Receiver<bool>,
+    view: ElectionView,
+    task: tokio::task::JoinHandle<(Elector, Outcome)>,
+}
 
-    // The controller stops on a signal, or when the lease is lost.
-    let (ctl_stop_tx, ctl_stop_rx) = oneshot::channel::<()>();
-    let mut leader_watch = election.as_ref().map(|(rx, _)| rx.clone());
-    let stop = stop_rx.clone();
-    tokio::spawn(async move {
-        let lost = async {
-            match &mut leader_watch {
-                Some(rx) => {
-                    let _ = rx.wait_for(|l| !*l).await;
-                }
-                None => std::future::pending::<()>().await,
-            }
+impl Election {
+    fn start(
+        client: &Client,
+        namespace: &str,
+        identity: &str,
+        stop: watch::Receiver<bool>,
+    ) -> Self {
+        let cfg = ElectionConfig::new(namespace.to_string(), identity.to_string());
+        let (leader_tx, leader_rx) = watch::channel(false);
+        let (ok_tx, ok_rx) = watch::channel(None);
+        let view = ElectionView {
+            leader: leader_rx.clone(),
+            last_ok: ok_rx,
+            stale_after: cfg.lease_duration * 2,
         };
-        tokio::select! {
-            _ = stopped(stop) => {}
-            _ = lost => warn!("leader lease lost: stopping the controller"),
+        let elector = Elector::new(client.clone(), cfg);
+        let task = tokio::spawn(async move {
+            let outcome = elector.run(leader_tx, ok_tx, stop).await;
+            (elector, outcome)
+        });
+        Self {
+            leader: leader_rx,
+            view,
+            task,
         }
-        let _ = ctl_stop_tx.send(());
-    });
+    }
 
-    let ctx = Arc::new(
-        Context::new(
-            client,
-            metrics.clone(),
-            Reporter {
-                controller: "tandem-operator".into(),
-                instance: Some(identity.clone()),
-            },
-        )
-        .with_watch_client(watch_client),
-    );
-    readiness.set_controller_started(true);
-    let controller = controller::run(ctx, args.namespace.as_deref(), async move {
-        let _ = ctl_stop_rx.await;
-    });
-    // Bounded shutdown: once told to stop, running reconciles get SHUTDOWN_GRACE.
-    let deadline = {
-        let stop = stop_rx.clone();
-        let leader = election.as_ref().map(|(rx, _)| rx.clone());
-        async move {
-            let lost = async {
-                match leader {
-                    Some(mut rx) => {
-                        let _ = rx.wait_for(|l| !*l).await;
-                    }
-                    None => std::future::pending::<()>().await,
-                }
-            };
-            tokio::select! {
-                _ = stopped(stop) => {}
-                _ = lost => {}
-            }
-            tokio::time::sleep(SHUTDOWN_GRACE).await;
+    /// Wait for the lease; false when a signal came first (the elector gives up only on a
+    /// signal before leading).
+    async fn wait_until_leading(&mut self, stop: watch::Receiver<bool>) -> bool {
+        info!("waiting for the leader lease");
+        let leading = tokio::select! {
+            r = self.leader.wait_for(|l| *l) => r.is_ok(),
+            _ = stopped(stop) => false,
+        };
+        if leading {
+            info!("leading");
         }
-    };
-    let run = tokio::select! {
-        r = controller => r,
-        _ = deadline => {
-            warn!("reconciles still running {SHUTDOWN_GRACE:?} after the stop: exiting anyway");
-            Ok(())
-        }
-    };
-    readiness.set_controller_started(false);
-    metrics.is_leader.set(0);
-    run.context("running the controller")?;
+        leading
+    }
 
-    if let Some((leader_rx, task)) = election {
-        let lost = !*leader_rx.borrow();
-        if lost {
-            bail!("lost the leader lease; exiting so that the Deployment restarts this replica");
+    /// After the controller stopped: an error when the lease was lost (the Deployment
+    /// restarts this replica as a standby), else release the lease.
+    async fn finish(self) -> anyhow::Result<()> {
+        const LOST: &str =
+            "lost the leader lease; exiting so that the Deployment restarts this replica";
+        if !*self.leader.borrow() {
+            bail!(LOST);
         }
-        let (elector, outcome) = tokio::time::timeout(Duration::from_secs(10), task)
+        let (elector, outcome) = tokio::time::timeout(Duration::from_secs(10), self.task)
             .await
             .context("leader election did not stop")?
             .context("leader election task")?;
         if outcome == Outcome::Lost {
-            bail!("lost the leader lease; exiting so that the Deployment restarts this replica");
+            bail!(LOST);
         }
         match tokio::time::timeout(REQUEST_TIMEOUT, elector.release()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => warn!("releasing the lease failed (it expires by itself): {e}"),
             Err(_) => warn!("releasing the lease timed out (it expires by itself)"),
         }
+        Ok(())
     }
-    info!("stopped");
-    Ok(())
+}
+
+/// The controller until a signal or the loss of the lease; then running reconciles get
+/// [`SHUTDOWN_GRACE`].
+async fn run_until_stopped(
+    ctx: Arc<Context>,
+    namespace: Option<&str>,
+    stop: watch::Receiver<bool>,
+    leader: Option<watch::Receiver<bool>>,
+) -> Result<(), controller::Error> {
+    let told_to_stop = {
+        let (stop, leader) = (stop.clone(), leader.clone());
+        async move {
+            tokio::select! {
+                _ = stopped(stop) => {}
+                _ = lease_lost(leader) => warn!("leader lease lost: stopping the controller"),
+            }
+        }
+    };
+    let (ctl_stop_tx, ctl_stop_rx) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        told_to_stop.await;
+        let _ = ctl_stop_tx.send(());
+    });
+    let controller = controller::run(ctx, namespace, async move {
+        let _ = ctl_stop_rx.await;
+    });
+    let deadline = async move {
+        tokio::select! {
+            _ = stopped(stop) => {}
+            _ = lease_lost(leader) => {}
+        }
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        r = controller => r,
+        _ = deadline => {
+            warn!("reconciles still running {SHUTDOWN_GRACE:?} after the stop: exiting anyway");
+            Ok(())
+        }
+    }
 }
