@@ -26,7 +26,7 @@ pub struct App {
 /// the CUDA one in a `cuda` build (which probes the driver first and fails with a clear
 /// error when there is none).
 fn load_runner(cfg: &Config, gguf: Arc<Gguf>, rc: RunnerConfig) -> Result<Box<dyn ModelRunner>> {
-    match cfg.device {
+    match cfg.model.device {
         Device::Cpu => {
             let kernels = Arc::new(tandem_kernels::CpuKernels::with_options(cfg.cpu_options()));
             Ok(Box::new(CpuModelRunner::new(gguf, rc, kernels)?))
@@ -40,7 +40,7 @@ fn load_runner(cfg: &Config, gguf: Arc<Gguf>, rc: RunnerConfig) -> Result<Box<dy
         )?)),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(Error::config(
-            format!("--device {}", cfg.device),
+            format!("--device {}", cfg.model.device),
             "this binary was built without CUDA support (build with `--features cuda`); \
              use --device cpu",
         )),
@@ -49,7 +49,7 @@ fn load_runner(cfg: &Config, gguf: Arc<Gguf>, rc: RunnerConfig) -> Result<Box<dy
 
 pub fn build(cfg: &Config) -> Result<App> {
     cfg.check()?;
-    let gguf = Arc::new(Gguf::open(&cfg.model)?);
+    let gguf = Arc::new(Gguf::open(&cfg.model.path)?);
     let tok = Arc::new(Tokenizer::from_gguf(&gguf)?);
     let text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or_default();
     let chat = tokenizer::chat_template(&gguf)?
@@ -61,15 +61,15 @@ pub fn build(cfg: &Config) -> Result<App> {
         .unwrap_or(false);
     let rc = RunnerConfig {
         kv: KvCacheConfig {
-            n_blocks: cfg.kv_blocks,
-            dtype: cfg.kv_dtype.ggml(),
+            n_blocks: cfg.engine.kv_blocks,
+            dtype: cfg.engine.kv_dtype.ggml(),
             ..KvCacheConfig::default()
         },
-        prefix_cache: !cfg.no_prefix_cache,
+        prefix_cache: !cfg.engine.no_prefix_cache,
     };
     let kv_dtype = rc.kv.dtype.id();
     let runner = load_runner(cfg, gguf, rc)
-        .with_context(|| format!("loading the model onto {}", cfg.device))?;
+        .with_context(|| format!("loading the model onto {}", cfg.model.device))?;
     let info = runner.info().clone();
     if info.vocab_size != tok.vocab_size() {
         return Err(Error::Tokenizer(format!(
@@ -88,13 +88,13 @@ pub fn build(cfg: &Config) -> Result<App> {
             },
         )?;
     tracing::info!(
-        model = %cfg.model.display(),
+        model = %cfg.model.path.display(),
         served_as = %cfg.served_name(),
         context_length = info.context_length,
-        kv_blocks = cfg.kv_blocks,
+        kv_blocks = cfg.engine.kv_blocks,
         kv_block_tokens = info.kv_block_size,
-        kv_dtype = ?cfg.kv_dtype,
-        device = %cfg.device,
+        kv_dtype = ?cfg.engine.kv_dtype,
+        device = %cfg.model.device,
         has_chat_template = chat.is_some(),
         "model loaded"
     );
@@ -106,10 +106,10 @@ pub fn build(cfg: &Config) -> Result<App> {
         add_bos,
         model_name: cfg.served_name(),
         context_length: info.context_length,
-        default_max_tokens: cfg.default_max_tokens,
+        default_max_tokens: cfg.http.default_max_tokens,
         metrics,
         max_heartbeat_age: cfg.engine_stall(),
-        header_read_timeout: cfg.http_header_timeout(),
+        limits: cfg.http_limits(),
         role: cfg.role.as_str(),
         shutdown: Default::default(),
         pd,
@@ -131,13 +131,13 @@ fn start_pd(
 ) -> Result<Option<PdRole>> {
     // A fresh random incarnation per process start (rule 4 in docs/architecture.md).
     let incarnation = crate::pd::random_id();
-    let local = crate::pd::local_identity(info, kv_dtype, incarnation, cfg.group_incarnation);
-    let key = GroupKey::new(cfg.group_key.as_bytes());
+    let local = crate::pd::local_identity(info, kv_dtype, incarnation, cfg.kv.group_incarnation);
+    let key = GroupKey::new(cfg.kv.group_key.as_bytes());
     let t = cfg.pd_timings();
     tracing::info!(
         role = cfg.role.as_str(),
         incarnation = format!("{incarnation:016x}"),
-        group_incarnation = cfg.group_incarnation,
+        group_incarnation = cfg.kv.group_incarnation,
         "process incarnation"
     );
     let channel = crate::pd::ChannelConfig {
@@ -149,14 +149,14 @@ fn start_pd(
     Ok(match cfg.role {
         Role::Both => None,
         Role::Prefill => Some(PdRole::Prefill(crate::pd::prefill::start(
-            &cfg.host,
-            cfg.kv_port,
+            &cfg.http.host,
+            cfg.kv.kv_port,
             channel,
             engine.clone(),
             metrics.clone(),
         )?)),
         Role::Decode => Some(PdRole::Decode(crate::pd::decode::start(
-            &cfg.prefill_peers,
+            &cfg.kv.prefill_peers,
             channel,
             info,
             metrics.clone(),

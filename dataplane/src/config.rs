@@ -2,112 +2,39 @@
 //! a flag with an environment variable (`TANDEM_<NAME>`), parsed and checked here, and
 //! passed down as plain values; nothing below reads the environment.
 //!
+//! The flags are grouped by the subsystem they configure ([`ModelFlags`],
+//! [`EngineFlags`], [`HttpFlags`], [`KvFlags`]; `--help` shows the same groups); on the
+//! command line they are one flat list, as before. The settings the operator gives every
+//! member are named by `tandem_contract::settings`, the contract both sides compile
+//! against; [`Config::member_settings`] reads them back.
+//!
+//! A renamed flag keeps its old spelling (and its variable's) for one release, hidden from
+//! `--help`, with a deprecation warning ([`RENAMED`], [`Config::parse_with_deprecations`]).
+//!
 //! [`Config::check`] is every check that needs no model loaded (combinations of flags,
 //! the model file being a readable GGUF file); `--check-config` runs it and prints
 //! [`Config::effective`] instead of serving.
 
+mod values;
+
+use std::ffi::OsString;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::time::Duration;
 
-use clap::{ArgAction, Parser, ValueEnum};
+use clap::{ArgAction, Args, Parser};
 use serde::Serialize;
 use serde_json::{Value, json};
+use tandem_contract::settings as contract;
+use tandem_contract::{MemberRole, MemberSettings};
 use tandem_kernels::CpuOptions;
 
-use crate::pd::PdTimings;
+use crate::pd::{PdLimits, PdTimings};
 use crate::scheduler::SchedulerConfig;
-
-/// The compute device of the model runner (`--device`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Device {
-    Cpu,
-    /// CUDA device by ordinal (a build with feature `cuda`).
-    Cuda(usize),
-}
-
-impl FromStr for Device {
-    type Err = String;
-
-    /// `cpu`, `cuda` (device 0) or `cuda:N`.
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "cpu" => Ok(Self::Cpu),
-            "cuda" => Ok(Self::Cuda(0)),
-            other => other
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(Self::Cuda)
-                .ok_or_else(|| format!("bad device {other:?}: use cpu, cuda or cuda:N")),
-        }
-    }
-}
-
-impl Serialize for Device {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl std::fmt::Display for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Cpu => f.write_str("cpu"),
-            Self::Cuda(n) => write!(f, "cuda:{n}"),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Prefill and decode in one process (no KV transfer).
-    Both,
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Both => "both",
-            Self::Prefill => "prefill",
-            Self::Decode => "decode",
-        }
-    }
-}
-
-/// Storage type of the KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum KvDtype {
-    /// 2 bytes per value.
-    F16,
-    /// 34 bytes per 32 values: about half the memory of F16 (values rounded per 32-block
-    /// to 8 bits with one f16 scale).
-    #[value(name = "q8_0")]
-    #[serde(rename = "q8_0")]
-    Q8_0,
-    /// 4 bytes per value (for debugging).
-    F32,
-}
-
-impl KvDtype {
-    pub fn ggml(self) -> tandem_kernels::GgmlType {
-        match self {
-            Self::F16 => tandem_kernels::GgmlType::F16,
-            Self::Q8_0 => tandem_kernels::GgmlType::Q8_0,
-            Self::F32 => tandem_kernels::GgmlType::F32,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    Text,
-    Json,
-}
+pub use values::{Device, KvDtype, LogFormat, Role};
+use values::{
+    at_least_one, check_model_file, check_peer, non_negative_seconds, on_off, positive_seconds,
+    redacted, secs,
+};
 
 #[derive(Debug, Clone, Parser, Serialize)]
 #[command(
@@ -116,13 +43,44 @@ pub enum LogFormat {
     about = "Tandem dataplane: OpenAI-compatible LLM serving"
 )]
 pub struct Config {
-    #[arg(long, env = "TANDEM_ROLE", value_enum, default_value = "both")]
+    #[arg(long = contract::ROLE.flag, env = contract::ROLE.env, value_enum, default_value = "both")]
     pub role: Role,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub model: ModelFlags,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub engine: EngineFlags,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub http: HttpFlags,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub kv: KvFlags,
+    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// Tests only: serve `POST /debug/fault` (arm a panic or stall in a KV loop). Refused at
+    /// start unless the environment also sets `TANDEM_ALLOW_FAULT_INJECTION=yes`.
+    #[arg(long)]
+    pub fault_injection: bool,
+    /// Check the configuration (every flag and variable, their combinations, the model
+    /// file) without loading the model or binding a port: print the effective
+    /// configuration as JSON and exit 0, or print what is wrong and exit 2.
+    #[arg(long)]
+    #[serde(skip)]
+    pub check_config: bool,
+}
+
+/// The model and the device that runs it.
+#[derive(Debug, Clone, Args, Serialize)]
+#[command(next_help_heading = "Model and device")]
+pub struct ModelFlags {
     /// GGUF model file.
-    #[arg(long, env = "TANDEM_MODEL")]
-    pub model: PathBuf,
+    #[arg(long = contract::MODEL.flag, env = contract::MODEL.env)]
+    #[serde(rename = "model")]
+    pub path: PathBuf,
     /// Name clients use in `model`; defaults to the model file name without `.gguf`.
-    #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
+    #[arg(long = contract::SERVED_MODEL_NAME.flag, env = contract::SERVED_MODEL_NAME.env)]
     pub served_model_name: Option<String>,
     /// Compute device: `cpu`, or `cuda` / `cuda:N` in a build with feature `cuda`.
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
@@ -140,10 +98,12 @@ pub struct Config {
     /// CUDA: replay decode steps as CUDA graphs (`off` until checked on a GPU).
     #[arg(long, env = "TANDEM_CUDA_GRAPHS", default_value = "off", value_parser = on_off, action = ArgAction::Set)]
     pub cuda_graphs: bool,
-    #[arg(long, env = "TANDEM_HOST", default_value = "0.0.0.0")]
-    pub host: String,
-    #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
-    pub port: u16,
+}
+
+/// The engine: KV cache, batching, admission.
+#[derive(Debug, Clone, Args, Serialize)]
+#[command(next_help_heading = "Engine")]
+pub struct EngineFlags {
     /// KV cache blocks (16 tokens each).
     #[arg(long, env = "TANDEM_KV_BLOCKS", default_value_t = 2048, value_parser = at_least_one)]
     pub kv_blocks: usize,
@@ -167,83 +127,197 @@ pub struct Config {
     /// Seconds a request may wait for KV memory before failing with 503.
     #[arg(long, env = "TANDEM_QUEUE_TIMEOUT_SECONDS", default_value_t = 30.0, value_parser = positive_seconds)]
     pub queue_timeout_seconds: f64,
-    /// max_tokens for requests that set none.
-    #[arg(long, env = "TANDEM_DEFAULT_MAX_TOKENS", default_value_t = 256, value_parser = at_least_one)]
-    pub default_max_tokens: usize,
     /// `/ready` fails when the engine loop is stuck this long.
     #[arg(long, env = "TANDEM_ENGINE_STALL_SECONDS", default_value_t = 10.0, value_parser = positive_seconds)]
     pub engine_stall_seconds: f64,
+}
+
+/// The HTTP server: where it listens, what it accepts, how it drains.
+#[derive(Debug, Clone, Args, Serialize)]
+#[command(next_help_heading = "HTTP server")]
+pub struct HttpFlags {
+    #[arg(long = contract::HOST.flag, env = contract::HOST.env, default_value = "0.0.0.0")]
+    pub host: String,
+    #[arg(long = contract::PORT.flag, env = contract::PORT.env, default_value_t = 8000)]
+    pub port: u16,
+    /// max_tokens for requests that set none.
+    #[arg(long, env = "TANDEM_DEFAULT_MAX_TOKENS", default_value_t = 256, value_parser = at_least_one)]
+    pub default_max_tokens: usize,
     /// On SIGTERM, how long in-flight requests may run before the process exits anyway.
     #[arg(long, env = "TANDEM_DRAIN_SECONDS", default_value_t = 30.0, value_parser = non_negative_seconds)]
     pub drain_seconds: f64,
-    /// Seconds a client may take to send a request head (the line and headers), and that an
-    /// idle keep-alive connection stays open; then the connection is closed and counted as
+    /// Seconds a client may take to send a request head (the line and headers) once it
+    /// has sent its first byte; then it gets 408 and the connection is closed, counted as
     /// `tandem_http_connection_errors_total{kind="timeout"}`.
     #[arg(long, env = "TANDEM_HTTP_HEADER_TIMEOUT_SECONDS", default_value_t = 10.0, value_parser = positive_seconds)]
     pub http_header_timeout_seconds: f64,
-    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
+    /// Seconds a connection may stay open without a request (before its first, and between
+    /// keep-alive requests); then it is closed, counted as `kind="idle_timeout"`.
+    #[arg(long, env = "TANDEM_HTTP_IDLE_TIMEOUT_SECONDS", default_value_t = 60.0, value_parser = positive_seconds)]
+    pub http_idle_timeout_seconds: f64,
+    /// Largest request body, in bytes; a larger one gets 413.
+    #[arg(long, env = "TANDEM_HTTP_MAX_BODY_BYTES", default_value_t = 8 << 20, value_parser = at_least_one)]
+    pub http_max_body_bytes: usize,
+    /// Largest request head (request line and headers), in bytes; a larger one gets 431.
+    #[arg(long, env = "TANDEM_HTTP_MAX_HEADER_BYTES", default_value_t = 64 << 10, value_parser = at_least_one)]
+    pub http_max_header_bytes: usize,
+    /// Most headers in one request; more get 431.
+    #[arg(long, env = "TANDEM_HTTP_MAX_HEADERS", default_value_t = 100, value_parser = at_least_one)]
+    pub http_max_headers: usize,
+}
+
+/// The KV transfer channel between a group's prefill and decode members.
+#[derive(Debug, Clone, Args, Serialize)]
+#[command(next_help_heading = "KV transfer (prefill and decode roles)")]
+pub struct KvFlags {
     /// Prefill: TCP port of the KV transfer ROUTER socket.
-    #[arg(long, env = "TANDEM_KV_PORT", default_value_t = 5600)]
+    #[arg(long = contract::KV_PORT.flag, env = contract::KV_PORT.env, default_value_t = 5600)]
     pub kv_port: u16,
     /// Decode: prefill KV endpoints (`host:port`), comma separated.
-    #[arg(long = "prefill", env = "TANDEM_PREFILL_PEERS", value_delimiter = ',')]
+    #[arg(long = contract::PREFILL.flag, env = contract::PREFILL.env, value_delimiter = ',')]
     pub prefill_peers: Vec<String>,
     /// Incarnation of the bootstrap group (from the operator); peers must agree.
-    #[arg(long, env = "TANDEM_GROUP_INCARNATION", default_value_t = 0)]
+    #[arg(long = contract::GROUP_INCARNATION.flag, env = contract::GROUP_INCARNATION.env, default_value_t = 0)]
     pub group_incarnation: u64,
     /// Shared secret of the group for the handshake (required for prefill and decode).
     #[arg(
-        long,
-        env = "TANDEM_GROUP_KEY",
+        long = contract::GROUP_KEY.flag,
+        env = contract::GROUP_KEY.env,
         hide_env_values = true,
         default_value = ""
     )]
     #[serde(serialize_with = "redacted")]
     pub group_key: String,
     /// Decode: seconds between PINGs to each prefill.
-    #[arg(long, env = "TANDEM_PROBE_PERIOD_SECONDS", default_value_t = 2.0, value_parser = positive_seconds)]
+    #[arg(long = contract::PROBE_PERIOD_SECONDS.flag, env = contract::PROBE_PERIOD_SECONDS.env, default_value_t = 2.0, value_parser = positive_seconds)]
     pub probe_period_seconds: f64,
     /// Decode: missed probe periods before `/ready` fails.
-    #[arg(long, env = "TANDEM_FAILURE_THRESHOLD", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long = contract::FAILURE_THRESHOLD.flag, env = contract::FAILURE_THRESHOLD.env, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub failure_threshold: u32,
     /// No-progress limit of handshakes, rooms waiting for a session, and abort acks.
-    #[arg(long, env = "TANDEM_BOOTSTRAP_TIMEOUT_SECONDS", default_value_t = 10.0, value_parser = positive_seconds)]
+    #[arg(long = contract::BOOTSTRAP_TIMEOUT_SECONDS.flag, env = contract::BOOTSTRAP_TIMEOUT_SECONDS.env, default_value_t = 10.0, value_parser = positive_seconds)]
     pub bootstrap_timeout_seconds: f64,
     /// No-progress limit of rooms waiting for or receiving KV (the prefill's PROGRESS
     /// keeps a room alive while its engine works, so this measures silence).
-    #[arg(long, env = "TANDEM_KV_TIMEOUT_SECONDS", default_value_t = 30.0, value_parser = positive_seconds)]
+    #[arg(long = contract::KV_TIMEOUT_SECONDS.flag, env = contract::KV_TIMEOUT_SECONDS.env, default_value_t = 30.0, value_parser = positive_seconds)]
     pub kv_timeout_seconds: f64,
     /// Most KV bytes in flight to one peer (sent, not yet acknowledged), in MiB; a room past
     /// it fails at once with `send_budget`.
     #[arg(long, env = "TANDEM_KV_SEND_BUDGET_MIB", default_value_t = 256, value_parser = at_least_one)]
     pub kv_send_budget_mib: usize,
-    /// Tests only: serve `POST /debug/fault` (arm a panic or stall in a KV loop). Refused at
-    /// start unless the environment also sets `TANDEM_ALLOW_FAULT_INJECTION=yes`.
-    #[arg(long)]
-    pub fault_injection: bool,
-    /// Check the configuration (every flag and variable, their combinations, the model
-    /// file) without loading the model or binding a port: print the effective
-    /// configuration as JSON and exit 0, or print what is wrong and exit 2.
-    #[arg(long)]
-    #[serde(skip)]
-    pub check_config: bool,
 }
 
-/// The group key is a secret: `--check-config` says only whether one is set.
-fn redacted<S: serde::Serializer>(key: &str, s: S) -> Result<S::Ok, S::Error> {
-    if key.is_empty() {
-        s.serialize_str("")
-    } else {
-        s.collect_str(&format_args!("<redacted: {} bytes>", key.len()))
-    }
+/// A flag the dataplane was renamed away from, still accepted (hidden) with a warning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Renamed {
+    pub old_flag: &'static str,
+    pub old_env: &'static str,
+    pub new_flag: &'static str,
+    pub new_env: &'static str,
 }
+
+/// The release that stops accepting the spellings of [`RENAMED`].
+pub const RENAMED_REMOVED_IN: &str = "0.2.0";
+
+/// Flags renamed in 0.1 (`*_secs` became `*_seconds`): the old spelling of the flag and
+/// of its variable still work until [`RENAMED_REMOVED_IN`], with a warning.
+pub const RENAMED: &[Renamed] = &[
+    Renamed {
+        old_flag: "drain-secs",
+        old_env: "TANDEM_DRAIN_SECS",
+        new_flag: "drain-seconds",
+        new_env: "TANDEM_DRAIN_SECONDS",
+    },
+    Renamed {
+        old_flag: "queue-timeout-secs",
+        old_env: "TANDEM_QUEUE_TIMEOUT_SECS",
+        new_flag: "queue-timeout-seconds",
+        new_env: "TANDEM_QUEUE_TIMEOUT_SECONDS",
+    },
+    Renamed {
+        old_flag: "engine-stall-secs",
+        old_env: "TANDEM_ENGINE_STALL_SECS",
+        new_flag: "engine-stall-seconds",
+        new_env: "TANDEM_ENGINE_STALL_SECONDS",
+    },
+    Renamed {
+        old_flag: "http-header-timeout-secs",
+        old_env: "TANDEM_HTTP_HEADER_TIMEOUT_SECS",
+        new_flag: "http-header-timeout-seconds",
+        new_env: "TANDEM_HTTP_HEADER_TIMEOUT_SECONDS",
+    },
+];
 
 impl Config {
+    /// Parse a command line as [`Parser::try_parse_from`] does, accepting the old
+    /// spellings of [`RENAMED`]: an old flag is read as the new one, an old variable is
+    /// used when neither the new flag nor the new variable is given. Returns the
+    /// configuration and one deprecation warning per old spelling used. `env` reads the
+    /// environment (`std::env::var_os`, or a map in tests).
+    pub fn parse_with_deprecations<I, T>(
+        args: I,
+        env: impl Fn(&str) -> Option<OsString>,
+    ) -> Result<(Config, Vec<String>), clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString>,
+    {
+        let mut warnings = Vec::new();
+        let mut out: Vec<OsString> = Vec::new();
+        let mut given = std::collections::HashSet::new();
+        for a in args {
+            let a: OsString = a.into();
+            let text = a.to_string_lossy().into_owned();
+            let renamed = RENAMED.iter().find_map(|r| {
+                let old = format!("--{}", r.old_flag);
+                let rest = text.strip_prefix(&old)?;
+                (rest.is_empty() || rest.starts_with('=')).then(|| (r, rest.to_string()))
+            });
+            match renamed {
+                Some((r, rest)) => {
+                    warnings.push(format!(
+                        "--{} is deprecated and will be removed in {RENAMED_REMOVED_IN}: use --{}",
+                        r.old_flag, r.new_flag
+                    ));
+                    given.insert(r.new_flag);
+                    out.push(format!("--{}{rest}", r.new_flag).into());
+                }
+                None => {
+                    if let Some(r) = RENAMED.iter().find(|r| {
+                        let new = format!("--{}", r.new_flag);
+                        text.strip_prefix(&new)
+                            .is_some_and(|rest| rest.is_empty() || rest.starts_with('='))
+                    }) {
+                        given.insert(r.new_flag);
+                    }
+                    out.push(a);
+                }
+            }
+        }
+        for r in RENAMED {
+            let Some(v) = env(r.old_env) else { continue };
+            if given.contains(r.new_flag) || env(r.new_env).is_some() {
+                warnings.push(format!(
+                    "{} is deprecated and ignored (--{} or {} is set); it will be removed in {RENAMED_REMOVED_IN}",
+                    r.old_env, r.new_flag, r.new_env
+                ));
+                continue;
+            }
+            warnings.push(format!(
+                "{} is deprecated and will be removed in {RENAMED_REMOVED_IN}: use {}",
+                r.old_env, r.new_env
+            ));
+            let mut arg = OsString::from(format!("--{}=", r.new_flag));
+            arg.push(v);
+            out.push(arg);
+        }
+        Ok((Config::try_parse_from(out)?, warnings))
+    }
+
     /// Every check that needs no model loaded: what `--check-config` runs, and what the
     /// server runs before loading the model.
     pub fn check(&self) -> crate::Result<()> {
-        if self.role != Role::Both && self.group_key.is_empty() {
+        if self.role != Role::Both && self.kv.group_key.is_empty() {
             return Err(crate::Error::config(
                 "--group-key",
                 format!(
@@ -261,25 +335,25 @@ impl Config {
                  TANDEM_ALLOW_FAULT_INJECTION=yes",
             ));
         }
-        if matches!(self.device, Device::Cuda(_)) && !cfg!(feature = "cuda") {
+        if matches!(self.model.device, Device::Cuda(_)) && !cfg!(feature = "cuda") {
             return Err(crate::Error::config(
-                format!("--device {}", self.device),
+                format!("--device {}", self.model.device),
                 "this binary was built without CUDA support (build with `--features cuda`); \
                  use --device cpu",
             ));
         }
         if self.role == Role::Decode {
-            if self.prefill_peers.is_empty() {
+            if self.kv.prefill_peers.is_empty() {
                 return Err(crate::Error::config(
                     "--prefill",
                     "role decode needs at least one --prefill address",
                 ));
             }
-            for peer in &self.prefill_peers {
+            for peer in &self.kv.prefill_peers {
                 check_peer(peer)?;
             }
         }
-        check_model_file(&self.model)
+        check_model_file(&self.model.path)
     }
 
     /// The configuration as it would be served, as JSON: every setting by its field name
@@ -298,35 +372,76 @@ impl Config {
         })
     }
 
+    /// What the operator told this member, read back (the contract's parse side; the
+    /// render side is [`MemberSettings::to_args`]). `Err` names what is not a member's
+    /// setting: role `both`, or a duration that is not a whole number of seconds.
+    pub fn member_settings(&self) -> Result<MemberSettings, String> {
+        let role = match self.role {
+            Role::Prefill => MemberRole::Prefill,
+            Role::Decode => MemberRole::Decode,
+            Role::Both => return Err("role both is not a group member".into()),
+        };
+        let whole = |flag: &str, s: f64| -> Result<u32, String> {
+            if s.fract() == 0.0 && (1.0..=f64::from(u32::MAX)).contains(&s) {
+                Ok(s as u32)
+            } else {
+                Err(format!("--{flag} {s} is not a whole number of seconds"))
+            }
+        };
+        let kv = &self.kv;
+        Ok(MemberSettings {
+            role,
+            model: self.model.path.to_string_lossy().into_owned(),
+            served_model_name: self.served_name(),
+            host: (self.http.host != "0.0.0.0").then(|| self.http.host.clone()),
+            port: self.http.port,
+            kv_port: kv.kv_port,
+            prefill_peers: kv.prefill_peers.clone(),
+            group_incarnation: kv.group_incarnation,
+            probe_period_seconds: whole(
+                contract::PROBE_PERIOD_SECONDS.flag,
+                kv.probe_period_seconds,
+            )?,
+            failure_threshold: kv.failure_threshold,
+            bootstrap_timeout_seconds: whole(
+                contract::BOOTSTRAP_TIMEOUT_SECONDS.flag,
+                kv.bootstrap_timeout_seconds,
+            )?,
+            kv_timeout_seconds: whole(contract::KV_TIMEOUT_SECONDS.flag, kv.kv_timeout_seconds)?,
+        })
+    }
+
     pub fn scheduler(&self) -> SchedulerConfig {
+        let e = &self.engine;
         SchedulerConfig {
-            max_batch: self.max_batch,
-            chunk_size: self.chunk_size,
-            max_waiting: self.max_waiting,
-            queue_timeout: secs(self.queue_timeout_seconds),
+            max_batch: e.max_batch,
+            chunk_size: e.chunk_size,
+            max_waiting: e.max_waiting,
+            queue_timeout: secs(e.queue_timeout_seconds),
             ..SchedulerConfig::default()
         }
     }
 
     pub fn cpu_options(&self) -> CpuOptions {
         CpuOptions {
-            threads: self.threads,
-            simd: !self.no_simd,
+            threads: self.model.threads,
+            simd: !self.model.no_simd,
         }
     }
 
     #[cfg(feature = "cuda")]
     pub fn cuda_options(&self) -> crate::model::cuda::CudaOptions {
         crate::model::cuda::CudaOptions {
-            device_sampling: self.cuda_sampling,
-            graphs: self.cuda_graphs,
+            device_sampling: self.model.cuda_sampling,
+            graphs: self.model.cuda_graphs,
         }
     }
 
     pub fn served_name(&self) -> String {
-        self.served_model_name.clone().unwrap_or_else(|| {
+        self.model.served_model_name.clone().unwrap_or_else(|| {
             let f = self
                 .model
+                .path
                 .file_name()
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_default();
@@ -334,131 +449,41 @@ impl Config {
         })
     }
 
-    pub fn http_header_timeout(&self) -> Duration {
-        secs(self.http_header_timeout_seconds)
+    pub fn http_limits(&self) -> crate::server::HttpLimits {
+        let h = &self.http;
+        crate::server::HttpLimits {
+            header_timeout: secs(h.http_header_timeout_seconds),
+            idle_timeout: secs(h.http_idle_timeout_seconds),
+            max_body_bytes: h.http_max_body_bytes,
+            max_header_bytes: h.http_max_header_bytes,
+            max_headers: h.http_max_headers,
+        }
     }
 
     pub fn drain(&self) -> Duration {
-        secs(self.drain_seconds)
+        secs(self.http.drain_seconds)
     }
 
     pub fn engine_stall(&self) -> Duration {
-        secs(self.engine_stall_seconds)
+        secs(self.engine.engine_stall_seconds)
     }
 
-    pub fn pd_limits(&self) -> crate::pd::PdLimits {
-        crate::pd::PdLimits {
-            send_budget: (self.kv_send_budget_mib as u64) << 20,
+    pub fn pd_limits(&self) -> PdLimits {
+        PdLimits {
+            send_budget: (self.kv.kv_send_budget_mib as u64) << 20,
             engine_stall: self.engine_stall(),
         }
     }
 
     pub fn pd_timings(&self) -> PdTimings {
+        let kv = &self.kv;
         PdTimings {
-            probe_period: secs(self.probe_period_seconds),
-            failure_threshold: self.failure_threshold,
-            bootstrap_timeout: secs(self.bootstrap_timeout_seconds),
-            kv_timeout: secs(self.kv_timeout_seconds),
+            probe_period: secs(kv.probe_period_seconds),
+            failure_threshold: kv.failure_threshold,
+            bootstrap_timeout: secs(kv.bootstrap_timeout_seconds),
+            kv_timeout: secs(kv.kv_timeout_seconds),
         }
     }
-}
-
-/// A KV endpoint as `--prefill` takes it: `host:port`, port 1-65535.
-fn check_peer(peer: &str) -> crate::Result<()> {
-    let bad = |why: &str| crate::Error::config("--prefill", format!("{peer:?}: {why}"));
-    let (host, port) = peer
-        .rsplit_once(':')
-        .ok_or_else(|| bad("expected host:port"))?;
-    if host.is_empty() || host.contains(char::is_whitespace) {
-        return Err(bad("expected host:port with a host name or address"));
-    }
-    match port.parse::<u16>() {
-        Ok(p) if p > 0 => Ok(()),
-        _ => Err(bad("the port must be a number from 1 to 65535")),
-    }
-}
-
-/// The model file exists, can be read, and starts like a GGUF file (its first four bytes;
-/// the rest is read when the model loads).
-fn check_model_file(path: &std::path::Path) -> crate::Result<()> {
-    use std::io::Read;
-    let io = |source| crate::Error::Io {
-        path: path.display().to_string(),
-        source,
-    };
-    let mut magic = [0u8; 4];
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut magic))
-        .map_err(io)?;
-    if &magic != b"GGUF" {
-        return Err(crate::Error::config(
-            "--model",
-            format!("{} is not a GGUF file", path.display()),
-        ));
-    }
-    Ok(())
-}
-
-/// Seconds the parsers below accepted (finite, not negative, not absurdly large).
-fn secs(s: f64) -> Duration {
-    Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)
-}
-
-/// Longest duration a flag may name: a year, so that `Instant + d` never overflows.
-const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
-
-fn parse_seconds(s: &str) -> Result<f64, String> {
-    let v: f64 = s
-        .trim()
-        .parse()
-        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
-    if !v.is_finite() || v > MAX_SECONDS {
-        return Err(format!(
-            "{s:?} seconds is out of range (at most {MAX_SECONDS})"
-        ));
-    }
-    Ok(v)
-}
-
-/// A duration in seconds that must be greater than zero (timeouts, periods).
-fn positive_seconds(s: &str) -> Result<f64, String> {
-    let v = parse_seconds(s)?;
-    if v <= 0.0 {
-        return Err(format!("{s:?}: must be greater than 0 seconds"));
-    }
-    Ok(v)
-}
-
-/// A duration in seconds that may be zero (a drain deadline of 0 exits at once).
-fn non_negative_seconds(s: &str) -> Result<f64, String> {
-    let v = parse_seconds(s)?;
-    if v < 0.0 {
-        return Err(format!("{s:?}: must not be negative"));
-    }
-    Ok(v)
-}
-
-/// An on/off switch: 1/on/true/yes or 0/off/false/no.
-fn on_off(s: &str) -> Result<bool, String> {
-    match s.trim().to_ascii_lowercase().as_str() {
-        "1" | "on" | "true" | "yes" => Ok(true),
-        "0" | "off" | "false" | "no" => Ok(false),
-        _ => Err(format!(
-            "{s:?}: expected on or off (1/on/true/yes, 0/off/false/no)"
-        )),
-    }
-}
-
-/// A count that must be at least 1 (batch sizes, queue lengths, cache blocks).
-fn at_least_one(s: &str) -> Result<usize, String> {
-    let v: usize = s
-        .trim()
-        .parse()
-        .map_err(|_| format!("{s:?} is not a whole number"))?;
-    if v == 0 {
-        return Err(format!("{s:?}: must be at least 1"));
-    }
-    Ok(v)
 }
 
 #[cfg(test)]

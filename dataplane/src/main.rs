@@ -3,7 +3,6 @@
 //! it as JSON and exit 0, or say what is wrong and exit 2 (as for a bad flag).
 
 use anyhow::Context;
-use clap::Parser;
 use tandem_dataplane::app;
 use tandem_dataplane::config::{Config, LogFormat};
 use tandem_dataplane::server;
@@ -13,17 +12,28 @@ const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_millis(600
 
 fn main() -> anyhow::Result<()> {
     tandem_dataplane::parent::die_with_parent()?; // no orphan when the local runtime dies
-    let cfg = Config::parse();
+    let (cfg, deprecated) =
+        match Config::parse_with_deprecations(std::env::args_os(), |k| std::env::var_os(k)) {
+            Ok(parsed) => parsed,
+            Err(e) => e.exit(),
+        };
     if cfg.check_config {
+        // stdout carries the JSON: the warnings go to stderr.
+        for w in &deprecated {
+            eprintln!("warning: {w}");
+        }
         return check_config(&cfg);
     }
     init_tracing(cfg.log_format);
+    for w in &deprecated {
+        tracing::warn!("{w}");
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("tandem-http")
         .build()
         .context("starting the tokio runtime")?;
-    let app = app::build(&cfg).with_context(|| format!("loading {}", cfg.model.display()))?;
+    let app = app::build(&cfg).with_context(|| format!("loading {}", cfg.model.path.display()))?;
     let result = rt.block_on(serve(&cfg, app.state.clone()));
     // Every wait from here on is bounded: the process exits within the drain deadline plus
     // about `SHUTDOWN_GRACE`, abandoning (and logging) any thread that has not ended.
@@ -48,7 +58,7 @@ fn check_config(cfg: &Config) -> anyhow::Result<()> {
 }
 
 async fn serve(cfg: &Config, state: std::sync::Arc<server::AppState>) -> anyhow::Result<()> {
-    let addr = format!("{}:{}", cfg.host, cfg.port);
+    let addr = format!("{}:{}", cfg.http.host, cfg.http.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .with_context(|| format!("binding {addr}"))?;

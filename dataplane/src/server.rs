@@ -36,8 +36,32 @@ use crate::tokenizer::Tokenizer;
 
 pub type Body = UnsyncBoxBody<Bytes, Infallible>;
 
-/// Largest accepted request body.
-const MAX_BODY: usize = 8 << 20;
+/// What a client may send and how long it may take (`--http-*` flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpLimits {
+    /// From a request's first byte to the end of its head; then 408.
+    pub header_timeout: Duration,
+    /// A connection without a request in flight or started; then it is closed.
+    pub idle_timeout: Duration,
+    /// Request body; larger gets 413.
+    pub max_body_bytes: usize,
+    /// Request line and headers; larger gets 431.
+    pub max_header_bytes: usize,
+    /// Headers per request; more get 431.
+    pub max_headers: usize,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            header_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_body_bytes: 8 << 20,
+            max_header_bytes: 64 << 10,
+            max_headers: 100,
+        }
+    }
+}
 
 pub struct AppState {
     pub engine: EngineHandle,
@@ -53,9 +77,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// `/ready` fails when the engine loop has not gone round for this long.
     pub max_heartbeat_age: Duration,
-    /// Longest a client may take to send a request head (and an idle keep-alive
-    /// connection may wait for the next one) before the connection is closed.
-    pub header_read_timeout: Duration,
+    /// What a client may send and how long it may take.
+    pub limits: HttpLimits,
     pub role: &'static str,
     /// Where the process is in shutting down (readiness fails while draining; requests
     /// still in flight at the drain deadline end with a `shutdown` error).
@@ -257,7 +280,7 @@ async fn connection(
     keep_alive: bool,
 ) {
     let state_metrics = state.metrics.clone();
-    let header_timeout = state.header_read_timeout;
+    let header_timeout = state.limits.header_timeout;
     let started = Arc::new(AtomicBool::new(false));
     let svc = service_fn({
         let started = started.clone();
@@ -357,11 +380,13 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
                 "the server is shutting down and takes no new requests",
             ))
         }
-        (Method::POST, "/v1/chat/completions") => match body(req).await {
-            Ok(b) => completions::chat(state.clone(), b).await,
-            Err(e) => Err(e),
-        },
-        (Method::POST, "/v1/completions") => match body(req).await {
+        (Method::POST, "/v1/chat/completions") => {
+            match body(req, state.limits.max_body_bytes).await {
+                Ok(b) => completions::chat(state.clone(), b).await,
+                Err(e) => Err(e),
+            }
+        }
+        (Method::POST, "/v1/completions") => match body(req, state.limits.max_body_bytes).await {
             Ok(b) => completions::completions(state.clone(), b).await,
             Err(e) => Err(e),
         },
@@ -393,10 +418,10 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
     res
 }
 
-async fn body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
+async fn body(req: Request<Incoming>, max: usize) -> Result<Bytes, ApiError> {
     let too_large = || ApiError {
         status: StatusCode::PAYLOAD_TOO_LARGE,
-        ..ApiError::invalid(None, format!("the request body exceeds {MAX_BODY} bytes"))
+        ..ApiError::invalid(None, format!("the request body exceeds {max} bytes"))
             .with_code("body_too_large")
     };
     // A declared length beyond the limit is refused before reading a byte of it.
@@ -405,10 +430,10 @@ async fn body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+    if declared.is_some_and(|n| n > max as u64) {
         return Err(too_large());
     }
-    match Limited::new(req.into_body(), MAX_BODY).collect().await {
+    match Limited::new(req.into_body(), max).collect().await {
         Ok(c) => Ok(c.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
         Err(e) => Err(

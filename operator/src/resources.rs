@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
-    HostPathVolumeSource, ObjectFieldSelector, PersistentVolumeClaimVolumeSource, Pod,
-    PodReadinessGate, PodSecurityContext, PodSpec, Probe, SeccompProfile, Secret,
-    SecretKeySelector, SecurityContext, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
+    HostPathVolumeSource, PersistentVolumeClaimVolumeSource, Pod, PodReadinessGate,
+    PodSecurityContext, PodSpec, Probe, SeccompProfile, Secret, SecretKeySelector, SecurityContext,
+    Service, ServicePort, ServiceSpec, Volume, VolumeMount,
 };
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
@@ -26,13 +26,14 @@ use crate::crd::{
 };
 use crate::names;
 use crate::planner::{PodIntent, Role};
+use tandem_contract::{self as contract, MemberRole, MemberSettings};
 
 /// Name of the dataplane container in every pod.
 pub const CONTAINER: &str = "dataplane";
 /// Key of the group key inside the group Secret.
 pub const SECRET_KEY: &str = "key";
 /// Environment variable that carries the group key into the dataplane.
-pub const GROUP_KEY_ENV: &str = "TANDEM_GROUP_KEY";
+pub const GROUP_KEY_ENV: &str = contract::GROUP_KEY_ENV;
 /// Name of the model volume.
 const MODEL_VOLUME: &str = "model";
 /// Name of the container port of the dataplane's HTTP server (API, probes, metrics).
@@ -143,28 +144,6 @@ pub fn prefill_peers(
         .collect()
 }
 
-fn env_value(name: &str, value: impl Into<String>) -> EnvVar {
-    EnvVar {
-        name: name.to_string(),
-        value: Some(value.into()),
-        ..Default::default()
-    }
-}
-
-fn env_field(name: &str, field_path: &str) -> EnvVar {
-    EnvVar {
-        name: name.to_string(),
-        value_from: Some(EnvVarSource {
-            field_ref: Some(ObjectFieldSelector {
-                field_path: field_path.to_string(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
 fn http_probe(path: &str, period: i32, timeout: i32, failure_threshold: i32) -> Probe {
     Probe {
         http_get: Some(HTTPGetAction {
@@ -248,10 +227,20 @@ pub fn container_security_context(tpl: &PodTemplate) -> SecurityContext {
 pub struct DataplaneNetwork {
     /// `--host`: `None` keeps the dataplane's default (every interface), as in a pod.
     pub host: Option<String>,
-    pub http_port: i32,
-    pub kv_port: i32,
+    pub http_port: u16,
+    pub kv_port: u16,
     /// A decode's prefill KV endpoints in replica order (unused for a prefill).
     pub prefill_peers: Vec<String>,
+}
+
+/// A port of the spec (the CRD admits 1-65535 only).
+fn spec_port(p: i32) -> u16 {
+    u16::try_from(p.clamp(1, i32::from(u16::MAX))).unwrap_or(u16::MAX)
+}
+
+/// Seconds of the spec (the CRD admits at least 1).
+fn spec_seconds(s: i32) -> u32 {
+    s.max(1).unsigned_abs()
 }
 
 impl DataplaneNetwork {
@@ -261,8 +250,8 @@ impl DataplaneNetwork {
         let t = &intent.template;
         Self {
             host: None,
-            http_port: t.transfer.http_port,
-            kv_port: t.transfer.kv_port,
+            http_port: spec_port(t.transfer.http_port),
+            kv_port: spec_port(t.transfer.kv_port),
             prefill_peers: prefill_peers(deployment, namespace, intent.group, t),
         }
     }
@@ -272,35 +261,29 @@ impl DataplaneNetwork {
 #[derive(Debug, Clone, PartialEq)]
 pub struct DataplaneInvocation {
     pub args: Vec<String>,
-    /// In Kubernetes form: the group key comes from the group Secret and the pod's name
-    /// and namespace from field references; the local runtime resolves these the way the
-    /// kubelet does.
+    /// In Kubernetes form: the group key comes from the group Secret; the local runtime
+    /// resolves it (and any field reference of the user's variables) as the kubelet does.
     pub env: Vec<EnvVar>,
 }
 
-/// Flags [`dataplane_invocation`] puts on every member's command line (from the spec's
-/// model and transfer sections, the group and the executor), and `--check-config`. The
-/// dataplane refuses a flag given twice, so a spec's `args` must not repeat one.
-pub const OPERATOR_FLAGS: [&str; 7] = [
-    "--role",
-    "--model",
-    "--served-model-name",
-    "--port",
-    "--kv-port",
-    "--prefill",
-    "--check-config",
-];
+/// Flags [`dataplane_invocation`] puts on a member's command line (every setting of the
+/// contract), and `--check-config`. The dataplane refuses a flag given twice, so a spec's
+/// `args` must not repeat one.
+pub fn operator_flags() -> Vec<String> {
+    contract::settings::reserved()
+}
 
-/// A spec whose `prefill.args` or `decode.args` repeat an [`OPERATOR_FLAGS`] flag: its
+/// A spec whose `prefill.args` or `decode.args` repeat an [`operator_flags`] flag: its
 /// pods would exit at once (`the argument '--port' cannot be used multiple times`). The
 /// error names the field and where the value belongs.
 pub fn check_role_args(spec: &PDDeploymentSpec) -> Result<(), String> {
+    let reserved = operator_flags();
     for (role, r) in [("prefill", &spec.prefill), ("decode", &spec.decode)] {
         for (i, a) in r.args.iter().enumerate() {
             let flag = a.split_once('=').map_or(a.as_str(), |(f, _)| f);
-            if OPERATOR_FLAGS.contains(&flag) {
+            if reserved.iter().any(|r| r == flag) {
                 return Err(format!(
-                    "spec.{role}.args[{i}]: {flag} is set by the operator (from spec.model, spec.transfer and the group) and may not be repeated; remove it"
+                    "spec.{role}.args[{i}]: {flag} is set by the operator (from spec.model, spec.transfer, spec.health and the group) and may not be repeated; remove it"
                 ));
             }
         }
@@ -308,93 +291,68 @@ pub fn check_role_args(spec: &PDDeploymentSpec) -> Result<(), String> {
     Ok(())
 }
 
+/// What the operator tells a planned member: the contract both executors render (the
+/// controller into the pod, the local runtime into a process).
+pub fn member_settings(intent: &PodIntent, net: &DataplaneNetwork) -> MemberSettings {
+    let t = &intent.template;
+    MemberSettings {
+        role: match intent.role {
+            Role::Prefill => MemberRole::Prefill,
+            Role::Decode => MemberRole::Decode,
+        },
+        model: t.model.path.clone(),
+        served_model_name: t.model.name.clone(),
+        host: net.host.clone(),
+        port: net.http_port,
+        kv_port: net.kv_port,
+        prefill_peers: match intent.role {
+            Role::Prefill => Vec::new(),
+            Role::Decode => net.prefill_peers.clone(),
+        },
+        group_incarnation: intent.incarnation.max(0).unsigned_abs(),
+        probe_period_seconds: spec_seconds(t.health.probe_period_seconds),
+        failure_threshold: spec_seconds(t.health.failure_threshold),
+        bootstrap_timeout_seconds: spec_seconds(t.transfer.bootstrap_timeout_seconds),
+        kv_timeout_seconds: spec_seconds(t.transfer.kv_timeout_seconds),
+    }
+}
+
 /// The dataplane arguments and environment of a planned member: the one definition both
-/// executors use (the controller puts them in the pod's container, the local runtime
-/// starts a process with them), so a member is configured the same way everywhere.
+/// executors use, so a member is configured the same way everywhere. Every setting goes
+/// once, on the command line ([`member_settings`]), then the spec's `args`; the
+/// environment carries only the group key (from the group's Secret) and the user's
+/// variables, less any that name a setting the operator gives (it would be ignored
+/// beside the flag, and only mislead a reader of the pod).
 pub fn dataplane_invocation(
     deployment: &str,
     intent: &PodIntent,
     net: &DataplaneNetwork,
 ) -> DataplaneInvocation {
-    let t = &intent.template;
     let role_spec = match intent.role {
-        Role::Prefill => &t.prefill,
-        Role::Decode => &t.decode,
+        Role::Prefill => &intent.template.prefill,
+        Role::Decode => &intent.template.decode,
     };
-    let mut args = vec![
-        "--role".to_string(),
-        intent.role.as_str().to_string(),
-        "--model".to_string(),
-        t.model.path.clone(),
-        "--served-model-name".to_string(),
-        t.model.name.clone(),
-    ];
-    if let Some(host) = &net.host {
-        args.push("--host".to_string());
-        args.push(host.clone());
-    }
-    args.extend([
-        "--port".to_string(),
-        net.http_port.to_string(),
-        "--kv-port".to_string(),
-        net.kv_port.to_string(),
-    ]);
-    let peers = net.prefill_peers.join(",");
-    if intent.role == Role::Decode {
-        args.push("--prefill".to_string());
-        args.push(peers.clone());
-    }
+    let mut args = member_settings(intent, net).to_args();
     args.extend(role_spec.args.iter().cloned());
-
-    let mut env = vec![
-        env_value("TANDEM_ROLE", intent.role.as_str()),
-        env_value("TANDEM_GROUP", intent.group.to_string()),
-        env_value("TANDEM_GROUP_INCARNATION", intent.incarnation.to_string()),
-    ];
-    if intent.role == Role::Decode {
-        env.push(env_value("TANDEM_PREFILL_PEERS", peers));
-    }
-    env.extend([
-        EnvVar {
-            name: GROUP_KEY_ENV.into(),
-            value_from: Some(EnvVarSource {
-                secret_key_ref: Some(SecretKeySelector {
-                    name: names::group_secret_name(deployment, intent.group),
-                    key: SECRET_KEY.into(),
-                    optional: Some(false),
-                }),
-                ..Default::default()
+    let mut env = vec![EnvVar {
+        name: GROUP_KEY_ENV.into(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: names::group_secret_name(deployment, intent.group),
+                key: SECRET_KEY.into(),
+                optional: Some(false),
             }),
             ..Default::default()
-        },
-        env_value(
-            "TANDEM_PROBE_PERIOD_SECONDS",
-            t.health.probe_period_seconds.to_string(),
-        ),
-        env_value(
-            "TANDEM_FAILURE_THRESHOLD",
-            t.health.failure_threshold.to_string(),
-        ),
-        env_value(
-            "TANDEM_BOOTSTRAP_TIMEOUT_SECONDS",
-            t.transfer.bootstrap_timeout_seconds.to_string(),
-        ),
-        env_value(
-            "TANDEM_KV_TIMEOUT_SECONDS",
-            t.transfer.kv_timeout_seconds.to_string(),
-        ),
-        env_field("TANDEM_POD_NAME", "metadata.name"),
-        env_field("TANDEM_NAMESPACE", "metadata.namespace"),
-    ]);
-    // User variables come after ours; one that reuses an operator name is dropped (the
-    // operator's value wins, and server-side apply rejects duplicate names).
-    let ours: Vec<String> = env.iter().map(|e| e.name.clone()).collect();
+        }),
+        ..Default::default()
+    }];
+    let operator_set = |name: &str| contract::settings::ALL.iter().any(|s| s.env == name);
     env.extend(
         role_spec
             .template
             .env
             .iter()
-            .filter(|e| !ours.contains(&e.name))
+            .filter(|e| !operator_set(&e.name))
             .cloned(),
     );
     DataplaneInvocation { args, env }

@@ -4,8 +4,9 @@
 //! asked for. Each pod's command line and environment run the binary of this build with
 //! `--check-config` (a real child process; it checks everything short of loading the
 //! model and prints the effective configuration), the environment resolved as the
-//! kubelet would (the group key from a stand-in Secret, the pod's name and namespace
-//! from its field references) and the model path pointed at the cached model.
+//! kubelet would (the group key from a stand-in Secret) and the model path pointed at the
+//! cached model. The in-process half of the contract (every rendering read back as it was
+//! rendered) is a property test in the dataplane (`config::tests::contract`).
 //!
 //! Needs `target/<profile>/tandem-dataplane` (see `common::dataplane`).
 
@@ -275,7 +276,7 @@ fn edge_specs_are_accepted_as_the_spec_says() {
     s.decode.args = vec!["--kv-dtype".into(), "q8_0".into()];
     s.prefill.args = vec!["--kv-dtype".into(), "q8_0".into()];
     // User environment: a dataplane setting by variable, and one that tries to override
-    // an operator variable (dropped: the operator's value wins).
+    // a setting the operator gives (dropped from the pod: the operator's value wins).
     let user_env = serde_json::from_value(json!([
         {"name": "TANDEM_KV_BLOCKS", "value": "64"},
         {"name": "TANDEM_GROUP_INCARNATION", "value": "999"},
@@ -285,6 +286,16 @@ fn edge_specs_are_accepted_as_the_spec_says() {
     s.decode.template.env = user_env;
     for g in [0, 11] {
         for (intent, pod) in pods(&edge, g) {
+            let names: Vec<String> = resolve_env(&pod).into_iter().map(|(k, _)| k).collect();
+            let want: &[&str] = match intent.role {
+                Role::Prefill => &[resources::GROUP_KEY_ENV],
+                Role::Decode => &[
+                    resources::GROUP_KEY_ENV,
+                    "TANDEM_KV_BLOCKS",
+                    "RUST_BACKTRACE",
+                ],
+            };
+            assert_eq!(names, want, "only the key and the user's own variables");
             let v = assert_pod_matches_spec(&edge, &intent, &pod);
             assert_eq!(v["config"]["kv_dtype"], "q8_0");
             if intent.role == Role::Decode {
@@ -338,6 +349,39 @@ fn edge_specs_are_accepted_as_the_spec_says() {
 }
 
 #[test]
+fn a_renamed_flag_still_works_for_one_release_and_says_so() {
+    let pdd = with_cached_model(load(
+        &common::repo().join("manifests/examples/smollm2.yaml"),
+    ));
+    let (_, pod) = pods(&pdd, 0).pop().unwrap();
+    let env = resolve_env(&pod);
+    let mut args = container(&pod).args.clone().unwrap();
+    args.extend(["--drain-secs".into(), "7".into()]);
+    let out = check(&args, &env);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning: --drain-secs is deprecated")
+            && stderr.contains("--drain-seconds"),
+        "{stderr}"
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["config"]["drain_seconds"], 7.0);
+    // The old variable, too.
+    let mut old_env = env.clone();
+    old_env.push(("TANDEM_DRAIN_SECS".into(), "4".into()));
+    let out = check(&container(&pod).args.clone().unwrap(), &old_env);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("TANDEM_DRAIN_SECS is deprecated"),
+        "{stderr}"
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["config"]["drain_seconds"], 4.0);
+}
+
+#[test]
 fn the_check_can_fail_a_wrong_flag_is_refused() {
     let pdd = with_cached_model(load(
         &common::repo().join("manifests/examples/smollm2.yaml"),
@@ -382,7 +426,7 @@ fn the_check_can_fail_a_wrong_flag_is_refused() {
         stderr.contains("'--port <PORT>' cannot be used multiple times"),
         "{stderr}"
     );
-    for flag in resources::OPERATOR_FLAGS {
+    for flag in resources::operator_flags() {
         let mut s = pdd.spec.clone();
         s.prefill.args = vec![format!("{flag}=x")];
         assert!(resources::check_role_args(&s).is_err(), "{flag}");

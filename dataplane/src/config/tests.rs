@@ -1,3 +1,4 @@
+use super::values::on_off;
 use super::*;
 
 #[test]
@@ -12,7 +13,10 @@ fn parses_flags_and_defaults() {
         "64",
     ])
     .unwrap();
-    assert_eq!((c.role, c.port, c.chunk_size), (Role::Both, 9000, 64));
+    assert_eq!(
+        (c.role, c.http.port, c.engine.chunk_size),
+        (Role::Both, 9000, 64)
+    );
     assert_eq!(c.served_name(), "SmolLM2.Q4_1");
     assert_eq!(c.scheduler().chunk_size, 64);
     assert!(Config::try_parse_from(["x", "--model", "m", "--role", "sideways"]).is_err());
@@ -45,9 +49,9 @@ fn parses_pd_flags_as_the_operator_passes_them() {
     ])
     .unwrap();
     assert_eq!(c.role, Role::Decode);
-    assert_eq!(c.kv_dtype, KvDtype::F16, "the default KV dtype");
-    assert_eq!(c.prefill_peers, ["p0.g:6000", "p1.g:6000"]);
-    assert_eq!(c.kv_port, 6000);
+    assert_eq!(c.engine.kv_dtype, KvDtype::F16, "the default KV dtype");
+    assert_eq!(c.kv.prefill_peers, ["p0.g:6000", "p1.g:6000"]);
+    assert_eq!(c.kv.kv_port, 6000);
     let t = c.pd_timings();
     assert_eq!(t.liveness_window(), Duration::from_secs(2));
     // 2 x liveness window (4 s) is below the 10 s bootstrap timeout, which wins.
@@ -259,9 +263,9 @@ fn bad_numbers_are_rejected_by_name_not_clamped() {
 #[test]
 fn device_is_parsed_in_one_place() {
     let dev = |v: &str| Config::try_parse_from(["x", "--model", "m.gguf", "--device", v]);
-    assert_eq!(dev("cpu").unwrap().device, Device::Cpu);
-    assert_eq!(dev("cuda").unwrap().device, Device::Cuda(0));
-    assert_eq!(dev("cuda:3").unwrap().device, Device::Cuda(3));
+    assert_eq!(dev("cpu").unwrap().model.device, Device::Cpu);
+    assert_eq!(dev("cuda").unwrap().model.device, Device::Cuda(0));
+    assert_eq!(dev("cuda:3").unwrap().model.device, Device::Cuda(3));
     assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
     for bad in ["gpu", "cuda:x", "cuda:", "tpu"] {
         let err = dev(bad).unwrap_err().to_string();
@@ -271,7 +275,7 @@ fn device_is_parsed_in_one_place() {
         );
     }
     let c = Config::try_parse_from(["x", "--model", "m.gguf"]).unwrap();
-    assert_eq!(c.device, Device::Cpu, "the default");
+    assert_eq!(c.model.device, Device::Cpu, "the default");
 }
 
 #[test]
@@ -279,7 +283,7 @@ fn backend_knobs_are_flags_passed_down() {
     let c = Config::try_parse_from(["x", "--model", "m.gguf"]).unwrap();
     assert_eq!(c.cpu_options(), CpuOptions::default());
     assert!(
-        c.cuda_sampling && !c.cuda_graphs,
+        c.model.cuda_sampling && !c.model.cuda_graphs,
         "graphs off until checked on a GPU"
     );
     let c = Config::try_parse_from([
@@ -302,7 +306,7 @@ fn backend_knobs_are_flags_passed_down() {
             simd: false
         }
     );
-    assert!(!c.cuda_sampling && c.cuda_graphs);
+    assert!(!c.model.cuda_sampling && c.model.cuda_graphs);
     for (flag, value) in [
         ("--threads", "0"),
         ("--threads", "many"),
@@ -321,8 +325,8 @@ fn backend_knobs_are_flags_passed_down() {
 #[test]
 fn kv_dtype_is_chosen_by_flag_and_bad_values_are_named() {
     let c = Config::try_parse_from(["x", "--model", "m.gguf", "--kv-dtype", "q8_0"]).unwrap();
-    assert_eq!(c.kv_dtype, KvDtype::Q8_0);
-    assert_eq!(c.kv_dtype.ggml(), tandem_kernels::GgmlType::Q8_0);
+    assert_eq!(c.engine.kv_dtype, KvDtype::Q8_0);
+    assert_eq!(c.engine.kv_dtype.ggml(), tandem_kernels::GgmlType::Q8_0);
     let err = Config::try_parse_from(["x", "--model", "m.gguf", "--kv-dtype", "q4"])
         .unwrap_err()
         .to_string();
@@ -338,8 +342,213 @@ fn the_prefix_cache_is_on_unless_turned_off() {
     let parse = |args: &[&str]| {
         let mut v = vec!["x", "--model", "m.gguf"];
         v.extend_from_slice(args);
-        Config::try_parse_from(v).unwrap().no_prefix_cache
+        Config::try_parse_from(v).unwrap().engine.no_prefix_cache
     };
     assert!(!parse(&[]));
     assert!(parse(&["--no-prefix-cache"]));
+}
+
+mod contract {
+    use std::collections::HashMap;
+    use std::ffi::OsString;
+
+    use proptest::prelude::*;
+    use tandem_contract::{MemberRole, MemberSettings, settings};
+
+    use super::super::*;
+
+    fn parse(args: &[String]) -> Config {
+        let mut all = vec!["tandem-dataplane".to_string()];
+        all.extend_from_slice(args);
+        Config::try_parse_from(all).unwrap_or_else(|e| panic!("{args:?}: {e}"))
+    }
+
+    fn member() -> impl Strategy<Value = MemberSettings> {
+        (
+            any::<bool>(),
+            "/[a-z0-9_./=-]{1,40}",
+            "[a-zA-Z0-9_.:=-]{1,30}",
+            proptest::option::of(prop_oneof![
+                Just("127.0.0.1".to_string()),
+                Just("::1".to_string()),
+                "[a-z]{1,10}\\.local",
+            ]),
+            (1u16.., 1u16..),
+            proptest::collection::vec(
+                "[a-z0-9-]{1,12}(\\.[a-z0-9-]{1,12}){0,3}:[1-9][0-9]{0,3}",
+                1..4,
+            ),
+            any::<u64>(),
+            (1u32..=3600, 1u32..=100, 1u32..=3600, 1u32..=3600),
+        )
+            .prop_map(
+                |(decode, model, name, host, (port, kv_port), peers, inc, t)| MemberSettings {
+                    role: if decode {
+                        MemberRole::Decode
+                    } else {
+                        MemberRole::Prefill
+                    },
+                    model,
+                    served_model_name: name,
+                    host,
+                    port,
+                    kv_port,
+                    prefill_peers: if decode { peers } else { Vec::new() },
+                    group_incarnation: inc,
+                    probe_period_seconds: t.0,
+                    failure_threshold: t.1,
+                    bootstrap_timeout_seconds: t.2,
+                    kv_timeout_seconds: t.3,
+                },
+            )
+    }
+
+    proptest! {
+        /// What the operator renders is what the dataplane reads: parse(render(s)) == s.
+        #[test]
+        fn the_dataplane_reads_back_what_the_operator_renders(m in member()) {
+            let c = parse(&m.to_args());
+            prop_assert_eq!(c.member_settings(), Ok(m));
+        }
+    }
+
+    #[test]
+    fn every_contract_setting_is_a_flag_of_the_dataplane_with_its_variable() {
+        use clap::CommandFactory;
+        let cmd = Config::command();
+        for s in settings::ALL {
+            let arg = cmd
+                .get_arguments()
+                .find(|a| a.get_long() == Some(s.flag))
+                .unwrap_or_else(|| panic!("--{} is not a dataplane flag", s.flag));
+            assert_eq!(
+                arg.get_env().and_then(|e| e.to_str()),
+                Some(s.env),
+                "--{}",
+                s.flag
+            );
+        }
+    }
+
+    #[test]
+    fn a_member_setting_given_twice_is_refused() {
+        let mut m = MemberSettings {
+            role: MemberRole::Prefill,
+            model: "m.gguf".into(),
+            served_model_name: "m".into(),
+            host: None,
+            port: 8000,
+            kv_port: 5600,
+            prefill_peers: vec![],
+            group_incarnation: 1,
+            probe_period_seconds: 2,
+            failure_threshold: 3,
+            bootstrap_timeout_seconds: 10,
+            kv_timeout_seconds: 30,
+        };
+        let mut args = vec!["x".to_string()];
+        args.extend(m.to_args());
+        args.push("--port=9000".into());
+        let e = Config::try_parse_from(&args).unwrap_err().to_string();
+        assert!(e.contains("--port"), "{e}");
+        // A role both is not a member; a fractional duration is not the operator's.
+        m.role = MemberRole::Decode;
+        m.prefill_peers = vec!["p:1".into()];
+        let mut c = parse(&m.to_args());
+        c.kv.probe_period_seconds = 0.5;
+        let e = c.member_settings().unwrap_err();
+        assert!(e.contains("--probe-period-seconds 0.5"), "{e}");
+        c.role = Role::Both;
+        assert!(c.member_settings().is_err());
+    }
+
+    fn with_env<'a>(
+        args: &'a [&'a str],
+        env: &'a [(&'a str, &'a str)],
+    ) -> Result<(Config, Vec<String>), clap::Error> {
+        let env: HashMap<String, OsString> =
+            env.iter().map(|(k, v)| (k.to_string(), v.into())).collect();
+        let mut all = vec!["x", "--model", "m.gguf"];
+        all.extend_from_slice(args);
+        Config::parse_with_deprecations(all, |k| env.get(k).cloned())
+    }
+
+    #[test]
+    fn a_renamed_flag_keeps_its_old_spelling_for_one_release_with_a_warning() {
+        let (c, w) = with_env(&["--drain-secs", "5"], &[]).unwrap();
+        assert_eq!(c.drain(), Duration::from_secs(5));
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("--drain-secs is deprecated")
+                && w[0].contains("--drain-seconds")
+                && w[0].contains(RENAMED_REMOVED_IN),
+            "{w:?}"
+        );
+        let (c, w) = with_env(&["--queue-timeout-secs=7.5"], &[]).unwrap();
+        assert_eq!(c.engine.queue_timeout_seconds, 7.5);
+        assert_eq!(w.len(), 1);
+        // The new spelling: no warning.
+        let (c, w) = with_env(&["--drain-seconds", "4"], &[]).unwrap();
+        assert_eq!((c.drain(), w.len()), (Duration::from_secs(4), 0));
+        // A flag whose name merely starts like an old one is not it.
+        assert!(with_env(&["--drain-secsx", "1"], &[]).is_err());
+        // Both spellings: refused as a flag given twice, by its new name.
+        let e = with_env(&["--drain-secs", "1", "--drain-seconds", "2"], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--drain-seconds"), "{e}");
+        // The old variable is read when nothing newer is given, with a warning.
+        let (c, w) = with_env(&[], &[("TANDEM_DRAIN_SECS", "3")]).unwrap();
+        assert_eq!(c.drain(), Duration::from_secs(3));
+        assert!(w[0].contains("TANDEM_DRAIN_SECS is deprecated"), "{w:?}");
+        let (c, w) = with_env(&["--drain-seconds=9"], &[("TANDEM_DRAIN_SECS", "3")]).unwrap();
+        assert_eq!(c.drain(), Duration::from_secs(9), "the new spelling wins");
+        assert!(w[0].contains("ignored"), "{w:?}");
+        // (clap reads the new variable from the real environment, so here it only shows
+        // that the old one is not used beside it.)
+        let (c, w) = with_env(
+            &[],
+            &[("TANDEM_DRAIN_SECS", "3"), ("TANDEM_DRAIN_SECONDS", "9")],
+        )
+        .unwrap();
+        assert_ne!(
+            c.drain(),
+            Duration::from_secs(3),
+            "the old variable is ignored"
+        );
+        assert!(w[0].contains("ignored"), "{w:?}");
+        // Hidden: --help lists only the new spellings.
+        use clap::CommandFactory;
+        let help = Config::command().render_long_help().to_string();
+        for r in RENAMED {
+            assert!(
+                !help.contains(&format!("--{} ", r.old_flag)),
+                "{}",
+                r.old_flag
+            );
+            assert!(
+                help.contains(&format!("--{}", r.new_flag)),
+                "{}",
+                r.new_flag
+            );
+        }
+    }
+
+    #[test]
+    fn flags_are_grouped_by_subsystem_in_the_help() {
+        use clap::CommandFactory;
+        let help = Config::command().render_long_help().to_string();
+        let at = |s: &str| {
+            help.find(s)
+                .unwrap_or_else(|| panic!("{s} missing from --help"))
+        };
+        for (heading, flag) in [
+            ("Model and device:", "--device"),
+            ("Engine:", "--kv-blocks"),
+            ("HTTP server:", "--http-max-body-bytes"),
+            ("KV transfer (prefill and decode roles):", "--kv-port"),
+        ] {
+            assert!(at(heading) < at(flag), "{flag} under {heading}");
+        }
+    }
 }

@@ -94,7 +94,10 @@ fn start_custom(
         default_max_tokens: 16,
         metrics,
         max_heartbeat_age,
-        header_read_timeout: HEADER_TIMEOUT,
+        limits: HttpLimits {
+            header_timeout: HEADER_TIMEOUT,
+            ..HttpLimits::default()
+        },
         role: "both",
         shutdown: Default::default(),
         pd: None,

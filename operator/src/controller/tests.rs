@@ -607,14 +607,12 @@ async fn a_ready_prefill_gets_its_decode() {
             pod["spec"]["readinessGates"],
             json!([{"conditionType": "tandem.dev/group-ready"}])
         );
-        let env = pod["spec"]["containers"][0]["env"].as_array().unwrap();
-        let peers = env
-            .iter()
-            .find(|e| e["name"] == "TANDEM_PREFILL_PEERS")
-            .unwrap();
-        assert_eq!(
-            peers["value"],
-            "prefill-0.demo-g0-bootstrap.default.svc:5600"
+        let args = pod["spec"]["containers"][0]["args"].as_array().unwrap();
+        assert!(
+            args.contains(&json!(
+                "--prefill=prefill-0.demo-g0-bootstrap.default.svc:5600"
+            )),
+            "{args:?}"
         );
         assert_restricted_with_startup_probe(&pod);
         let ev = api.event().await;

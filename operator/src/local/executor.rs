@@ -301,8 +301,8 @@ impl<P: Processes> LocalExecutor<P> {
         let (http_port, kv_port) = (ports[0], ports[1]);
         let net = DataplaneNetwork {
             host: Some(host.to_string()),
-            http_port: i32::from(http_port),
-            kv_port: i32::from(kv_port),
+            http_port,
+            kv_port,
             prefill_peers: peers,
         };
         let inv = resources::dataplane_invocation(&cfg.deployment, intent, &net);

@@ -85,16 +85,16 @@ fn prefill_pod_has_labels_owner_hostname_ports_and_no_gate() {
     assert_eq!(
         c.args.as_ref().unwrap(),
         &[
-            "--role",
-            "prefill",
-            "--model",
-            "/models/smollm2.gguf",
-            "--served-model-name",
-            "smollm2",
-            "--port",
-            "8000",
-            "--kv-port",
-            "5600",
+            "--role=prefill",
+            "--model=/models/smollm2.gguf",
+            "--served-model-name=smollm2",
+            "--port=8000",
+            "--kv-port=5600",
+            "--group-incarnation=3",
+            "--probe-period-seconds=2",
+            "--failure-threshold=3",
+            "--bootstrap-timeout-seconds=10",
+            "--kv-timeout-seconds=10",
             "--threads",
             "4"
         ]
@@ -120,9 +120,9 @@ fn prefill_pod_has_labels_owner_hostname_ports_and_no_gate() {
         Some("/health")
     );
 
+    // The environment carries the group key only: every other setting is a flag.
     let env = env_of(&pod);
-    assert_eq!(value(&env, "TANDEM_ROLE"), "prefill");
-    assert!(!env.contains_key("TANDEM_PREFILL_PEERS"));
+    assert_eq!(env.keys().collect::<Vec<_>>(), ["TANDEM_GROUP_KEY"]);
     let key = env["TANDEM_GROUP_KEY"].value_from.as_ref().unwrap();
     let key = key.secret_key_ref.as_ref().unwrap();
     assert_eq!(
@@ -132,7 +132,7 @@ fn prefill_pod_has_labels_owner_hostname_ports_and_no_gate() {
 }
 
 #[test]
-fn decode_pod_has_gate_peers_and_group_env() {
+fn decode_pod_has_gate_peers_and_the_key_in_its_env() {
     let mut spec = testutil::spec(3);
     spec.prefill.replicas = 2;
     spec.decode.args = vec!["--max-batch".into(), "8".into()];
@@ -172,8 +172,20 @@ fn decode_pod_has_gate_peers_and_group_env() {
     let c = &s.containers[0];
     let peers = "prefill-0.demo-g2-bootstrap.ns1.svc:5600,prefill-1.demo-g2-bootstrap.ns1.svc:5600";
     let args = c.args.as_ref().unwrap();
-    assert_eq!(&args[..2], ["--role", "decode"]);
-    assert_eq!(&args[10..], ["--prefill", peers, "--max-batch", "8"]);
+    assert_eq!(args[0], "--role=decode");
+    assert_eq!(
+        &args[5..],
+        [
+            &format!("--prefill={peers}"),
+            "--group-incarnation=3",
+            "--probe-period-seconds=2",
+            "--failure-threshold=3",
+            "--bootstrap-timeout-seconds=10",
+            "--kv-timeout-seconds=10",
+            "--max-batch",
+            "8"
+        ]
+    );
     let ports: Vec<_> = c
         .ports
         .as_ref()
@@ -183,29 +195,11 @@ fn decode_pod_has_gate_peers_and_group_env() {
         .collect();
     assert_eq!(ports, [8000], "decode exposes no KV port");
 
+    // The user's variables follow the key; one that names a setting the operator gives
+    // (TANDEM_ROLE here) is left out: the flag would win, and it would only mislead.
     let env = env_of(&pod);
-    assert_eq!(value(&env, "TANDEM_ROLE"), "decode", "operator env wins");
     assert_eq!(value(&env, "RUST_LOG"), "debug");
-    assert_eq!(value(&env, "TANDEM_GROUP"), "2");
-    assert_eq!(value(&env, "TANDEM_GROUP_INCARNATION"), "3");
-    assert_eq!(value(&env, "TANDEM_PREFILL_PEERS"), peers);
-    assert_eq!(value(&env, "TANDEM_PROBE_PERIOD_SECONDS"), "2");
-    assert_eq!(value(&env, "TANDEM_FAILURE_THRESHOLD"), "3");
-    assert_eq!(value(&env, "TANDEM_BOOTSTRAP_TIMEOUT_SECONDS"), "10");
-    assert_eq!(value(&env, "TANDEM_KV_TIMEOUT_SECONDS"), "10");
-    let field = |n: &str| {
-        env[n]
-            .value_from
-            .as_ref()
-            .unwrap()
-            .field_ref
-            .as_ref()
-            .unwrap()
-            .field_path
-            .clone()
-    };
-    assert_eq!(field("TANDEM_POD_NAME"), "metadata.name");
-    assert_eq!(field("TANDEM_NAMESPACE"), "metadata.namespace");
+    assert!(!env.contains_key("TANDEM_ROLE"));
     let names: Vec<_> = c
         .env
         .as_ref()
@@ -213,7 +207,7 @@ fn decode_pod_has_gate_peers_and_group_env() {
         .iter()
         .map(|e| e.name.as_str())
         .collect();
-    assert_eq!(names.iter().filter(|n| **n == "TANDEM_ROLE").count(), 1);
+    assert_eq!(names, ["TANDEM_GROUP_KEY", "RUST_LOG"]);
 }
 
 #[test]
@@ -243,30 +237,21 @@ fn the_invocation_takes_its_network_from_the_executor() {
     assert_eq!(
         local.args,
         [
-            "--role",
-            "decode",
-            "--model",
-            "/models/smollm2.gguf",
-            "--served-model-name",
-            "smollm2",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "41000",
-            "--kv-port",
-            "41001",
-            "--prefill",
-            "127.0.0.1:42001"
+            "--role=decode",
+            "--model=/models/smollm2.gguf",
+            "--served-model-name=smollm2",
+            "--host=127.0.0.1",
+            "--port=41000",
+            "--kv-port=41001",
+            "--prefill=127.0.0.1:42001",
+            "--group-incarnation=3",
+            "--probe-period-seconds=2",
+            "--failure-threshold=3",
+            "--bootstrap-timeout-seconds=10",
+            "--kv-timeout-seconds=10",
         ]
     );
-    let names = |e: &[EnvVar]| e.iter().map(|v| v.name.clone()).collect::<Vec<_>>();
-    assert_eq!(names(&local.env), names(&cluster.env));
-    let peers = local
-        .env
-        .iter()
-        .find(|e| e.name == "TANDEM_PREFILL_PEERS")
-        .unwrap();
-    assert_eq!(peers.value.as_deref(), Some("127.0.0.1:42001"));
+    assert_eq!(local.env, cluster.env, "the key, the same way");
 }
 
 #[test]
@@ -619,7 +604,7 @@ fn args_that_repeat_an_operator_flag_are_refused_by_field() {
     s.decode.args.push("--port=9000".into());
     assert_eq!(
         check_role_args(&s).unwrap_err(),
-        "spec.decode.args[2]: --port is set by the operator (from spec.model, spec.transfer and the group) and may not be repeated; remove it"
+        "spec.decode.args[2]: --port is set by the operator (from spec.model, spec.transfer, spec.health and the group) and may not be repeated; remove it"
     );
     s.decode.args.clear();
     s.prefill.args = vec!["--model".into(), "/other.gguf".into()];
@@ -634,12 +619,13 @@ fn args_that_repeat_an_operator_flag_are_refused_by_field() {
         let i = intent(&p, role, 0);
         let inv =
             dataplane_invocation("demo", &i, &DataplaneNetwork::in_cluster("demo", "ns1", &i));
-        for f in OPERATOR_FLAGS.iter().filter(|f| **f != "--check-config") {
-            if *f == "--prefill" && role == Role::Prefill {
+        for f in operator_flags().iter().filter(|f| *f != "--check-config") {
+            // --host only locally; --prefill only for a decode.
+            if f == "--host" || (f == "--prefill" && role == Role::Prefill) {
                 continue;
             }
             assert!(
-                inv.args.iter().any(|a| a == f),
+                inv.args.iter().any(|a| a.starts_with(&format!("{f}="))),
                 "{role:?} sets {f}: {:?}",
                 inv.args
             );

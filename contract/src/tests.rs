@@ -1,0 +1,131 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn member(role: MemberRole) -> MemberSettings {
+    MemberSettings {
+        role,
+        model: "/models/m.gguf".into(),
+        served_model_name: "smol".into(),
+        host: None,
+        port: 8000,
+        kv_port: 5600,
+        prefill_peers: match role {
+            MemberRole::Prefill => vec![],
+            MemberRole::Decode => vec!["p0.g:5600".into(), "p1.g:5600".into()],
+        },
+        group_incarnation: 3,
+        probe_period_seconds: 2,
+        failure_threshold: 3,
+        bootstrap_timeout_seconds: 10,
+        kv_timeout_seconds: 30,
+    }
+}
+
+/// The `--flag=value` arguments of a command line as (flag, value).
+fn pairs(args: &[String]) -> Vec<(&str, &str)> {
+    args.iter()
+        .map(|a| {
+            let a = a.strip_prefix("--").expect("a flag");
+            a.split_once('=').expect("--flag=value")
+        })
+        .collect()
+}
+
+#[test]
+fn every_setting_goes_once_and_the_key_never_on_the_command_line() {
+    for role in [MemberRole::Prefill, MemberRole::Decode] {
+        let mut m = member(role);
+        m.host = Some("127.0.0.1".into());
+        let args = m.to_args();
+        let p = pairs(&args);
+        let flags: Vec<&str> = p.iter().map(|(f, _)| *f).collect();
+        for s in settings::ALL {
+            let n = flags.iter().filter(|f| **f == s.flag).count();
+            let want = match *s {
+                settings::GROUP_KEY => 0,
+                settings::PREFILL if role == MemberRole::Prefill => 0,
+                _ => 1,
+            };
+            assert_eq!(n, want, "{} in {args:?}", s.flag);
+        }
+        assert!(p.contains(&("role", role.as_str())));
+        assert!(p.contains(&("group-incarnation", "3")));
+    }
+    let d = member(MemberRole::Decode).to_args();
+    assert!(pairs(&d).contains(&("prefill", "p0.g:5600,p1.g:5600")));
+    assert!(
+        !pairs(&member(MemberRole::Prefill).to_args())
+            .iter()
+            .any(|(f, _)| *f == "host"),
+        "no --host unless one is given"
+    );
+}
+
+#[test]
+fn the_reserved_flags_are_every_rendered_flag_and_check_config() {
+    let reserved = settings::reserved();
+    let mut m = member(MemberRole::Decode);
+    m.host = Some("::1".into());
+    for (flag, _) in pairs(&m.to_args()) {
+        assert!(reserved.contains(&format!("--{flag}")), "{flag}");
+    }
+    assert!(reserved.contains(&"--check-config".to_string()));
+    assert!(!reserved.contains(&"--group-key".to_string()));
+}
+
+#[test]
+fn names_are_distinct_and_spelled_as_flags_and_variables() {
+    for (i, a) in settings::ALL.iter().enumerate() {
+        assert!(
+            a.flag.bytes().all(|b| b.is_ascii_lowercase() || b == b'-'),
+            "{}",
+            a.flag
+        );
+        assert!(a.env.starts_with("TANDEM_"), "{}", a.env);
+        for b in &settings::ALL[i + 1..] {
+            assert_ne!(a.flag, b.flag);
+            assert_ne!(a.env, b.env);
+        }
+    }
+    assert_eq!(settings::GROUP_KEY.env, GROUP_KEY_ENV);
+}
+
+proptest! {
+    /// Whatever the values, every argument is one known flag with its value, so no value
+    /// can be read as another setting.
+    #[test]
+    fn a_command_line_is_one_argument_per_setting(
+        model in "[a-z/._=-]{1,40}",
+        name in "[a-z0-9._=-]{1,20}",
+        port in 1u16..,
+        kv_port in 1u16..,
+        peers in proptest::collection::vec("[a-z0-9.-]{1,20}:[0-9]{1,5}", 1..4),
+        incarnation in any::<u64>(),
+        t in (1u32.., 1u32.., 1u32.., 1u32..),
+        decode in any::<bool>(),
+    ) {
+        let role = if decode { MemberRole::Decode } else { MemberRole::Prefill };
+        let m = MemberSettings {
+            role,
+            model: format!("/{model}"),
+            served_model_name: name,
+            host: None,
+            port,
+            kv_port,
+            prefill_peers: if decode { peers } else { vec![] },
+            group_incarnation: incarnation,
+            probe_period_seconds: t.0,
+            failure_threshold: t.1,
+            bootstrap_timeout_seconds: t.2,
+            kv_timeout_seconds: t.3,
+        };
+        let args = m.to_args();
+        let p = pairs(&args);
+        for (flag, _) in &p {
+            prop_assert!(settings::ALL.iter().any(|s| s.flag == *flag));
+        }
+        prop_assert!(p.contains(&("model", m.model.as_str())));
+        prop_assert!(p.contains(&("served-model-name", m.served_model_name.as_str())));
+    }
+}
