@@ -461,6 +461,7 @@ impl Metrics {
             "parse_error",
             "incomplete_request",
             "timeout",
+            "idle_timeout",
             "body_write_aborted",
             "io_error",
         ] {

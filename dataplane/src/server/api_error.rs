@@ -12,6 +12,8 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// The methods a 405's path does take (its `Allow` header).
+    pub allow: Option<String>,
 }
 
 impl ApiError {
@@ -22,6 +24,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: param.map(str::to_owned),
             code: None,
+            allow: None,
         }
     }
 
@@ -45,6 +48,12 @@ impl ApiError {
         }
     }
 
+    /// A 405 names the methods its path takes.
+    pub fn with_allow(mut self, methods: String) -> Self {
+        self.allow = Some(methods);
+        self
+    }
+
     pub fn server(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
         Self {
             status,
@@ -52,6 +61,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: Some(code),
+            allow: None,
         }
     }
 

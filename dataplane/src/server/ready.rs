@@ -1,0 +1,90 @@
+//! `/ready`: every check of this process (the engine, the drain, the PD channel) and the
+//! body whose format docs/readiness.md documents.
+
+use http::{Response, StatusCode};
+use serde_json::{Value, json};
+
+use super::{AppState, Body, json_response};
+
+/// Version of the `/ready` body's format (docs/readiness.md); bumped on any change that
+/// could break a reader.
+pub const READY_FORMAT: u32 = 1;
+
+/// Every `/ready` check of this process: the engine, the drain, and the PD channel.
+pub fn ready_checks(state: &AppState) -> Vec<crate::pd::Check> {
+    use crate::pd::Check;
+    let health = state.engine.health();
+    let age = health.heartbeat_age();
+    let engine = if health.stopped() {
+        Check::new(
+            "engine_heartbeat",
+            false,
+            "engine_stopped",
+            "engine thread stopped".into(),
+        )
+    } else {
+        Check::new(
+            "engine_heartbeat",
+            age <= state.max_heartbeat_age,
+            "engine_stalled",
+            format!(
+                "engine loop last went round {} ms ago (limit {} ms)",
+                age.as_millis(),
+                state.max_heartbeat_age.as_millis()
+            ),
+        )
+    };
+    let draining = state.shutdown.is_draining();
+    let mut checks = vec![
+        engine,
+        Check::new(
+            "not_draining",
+            !draining,
+            "draining",
+            if draining {
+                "shutting down: not accepting new requests".into()
+            } else {
+                "accepting requests".into()
+            },
+        ),
+    ];
+    if let Some(pd) = &state.pd {
+        checks.extend(pd.checks());
+    }
+    checks
+}
+
+/// The `/ready` body (format in docs/readiness.md): `ready`, and when not, the first
+/// failing check's `reason` and `message`; every check; every KV peer with its state and
+/// last refusal and failure.
+pub fn ready_body(state: &AppState) -> Value {
+    let checks = ready_checks(state);
+    let failing = checks.iter().find(|c| !c.ok);
+    let peers: Vec<Value> = state
+        .pd
+        .as_ref()
+        .map(|pd| pd.peers().iter().map(|p| p.to_json()).collect())
+        .unwrap_or_default();
+    json!({
+        "format": READY_FORMAT,
+        "ready": failing.is_none(),
+        "role": state.role,
+        "reason": failing.map(|c| c.reason.clone()),
+        "message": failing.map(|c| format!("{}: {}", c.name, c.detail)),
+        "checks": checks
+            .iter()
+            .map(|c| json!({"name": c.name, "ok": c.ok, "reason": c.reason, "detail": c.detail}))
+            .collect::<Vec<_>>(),
+        "peers": peers,
+    })
+}
+
+pub(super) fn ready(state: &AppState) -> Response<Body> {
+    let body = ready_body(state);
+    let status = if body["ready"] == true {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    json_response(status, &body)
+}
