@@ -56,7 +56,84 @@ impl Default for SamplingParams {
     }
 }
 
+/// The limits of every sampling parameter, for every way one arrives (the HTTP API and
+/// the PREFILL of a decode): [`SamplingParams::validate`] checks them, and the HTTP layer
+/// names them in its errors.
+pub mod limits {
+    use std::ops::RangeInclusive;
+
+    pub const TEMPERATURE: RangeInclusive<f32> = 0.0..=2.0;
+    /// Above 0: a nucleus of no probability mass is no nucleus.
+    pub const TOP_P: RangeInclusive<f32> = f32::MIN_POSITIVE..=1.0;
+    /// OpenAI's range of `frequency_penalty` and `presence_penalty`.
+    pub const PENALTY: RangeInclusive<f32> = -2.0..=2.0;
+    /// Most top alternatives returned per token (OpenAI's `top_logprobs` limit).
+    pub const MAX_LOGPROBS: usize = 20;
+    /// Most token ids masked until `min_tokens` (1024 `stop_token_ids` plus a model's
+    /// end-of-generation tokens).
+    pub const MAX_MASKED: usize = 4096;
+}
+
+/// A sampling parameter out of its limits: which one, and why.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("'{field}' {reason}")]
+pub struct InvalidSampling {
+    /// The field of [`SamplingParams`].
+    pub field: &'static str,
+    pub reason: String,
+}
+
 impl SamplingParams {
+    /// Every limit of [`limits`], the one check of sampling parameters wherever they come
+    /// from. Non-finite numbers are out of every range.
+    pub fn validate(&self) -> Result<(), InvalidSampling> {
+        let bad = |field: &'static str, reason: String| Err(InvalidSampling { field, reason });
+        let within = |field: &'static str, v: f32, r: &std::ops::RangeInclusive<f32>| {
+            if r.contains(&v) {
+                Ok(())
+            } else {
+                bad(
+                    field,
+                    format!("must be between {} and {}, got {v}", r.start(), r.end()),
+                )
+            }
+        };
+        within("temperature", self.temperature, &limits::TEMPERATURE)?;
+        within("top_p", self.top_p, &limits::TOP_P)?;
+        within(
+            "frequency_penalty",
+            self.frequency_penalty,
+            &limits::PENALTY,
+        )?;
+        within("presence_penalty", self.presence_penalty, &limits::PENALTY)?;
+        let rp = self.repetition_penalty;
+        if !(rp.is_finite() && rp > 0.0) {
+            return bad(
+                "repetition_penalty",
+                format!("must be greater than 0, got {rp}"),
+            );
+        }
+        if let Some(n) = self.logprobs
+            && n > limits::MAX_LOGPROBS
+        {
+            return bad(
+                "logprobs",
+                format!("must be at most {}, got {n}", limits::MAX_LOGPROBS),
+            );
+        }
+        if self.min_tokens_masked.len() > limits::MAX_MASKED {
+            return bad(
+                "min_tokens_masked",
+                format!(
+                    "has {} ids; at most {} are accepted",
+                    self.min_tokens_masked.len(),
+                    limits::MAX_MASKED
+                ),
+            );
+        }
+        Ok(())
+    }
+
     /// Whether any penalty is on (they need the sequence's history).
     pub fn has_penalties(&self) -> bool {
         self.repetition_penalty != 1.0

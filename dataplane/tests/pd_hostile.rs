@@ -6,6 +6,7 @@
 mod common;
 
 use std::sync::Arc;
+use tandem_dataplane::sampling::SamplingParams;
 
 use common::{GROUP_KEY, MODEL_NAME, free_port, model_path, pd_env, start_decode, start_prefill};
 use serde_json::json;
@@ -195,7 +196,7 @@ fn hostile_input_is_counted_by_kind_and_serving_continues() {
     let prefill_req = |n: u32| {
         Message::Prefill(kv::PrefillRequest {
             tokens: (0..n).map(|i| 100 + i % 1000).collect(),
-            temperature: 0.0,
+            sampling: greedy(),
             ..Default::default()
         })
     };
@@ -419,4 +420,11 @@ fn http_ports_of_both_roles_survive_hostile_input_and_count_it() {
         prefill.metric("tandem_kv_rooms_total{state=\"done\",reason=\"none\"} "),
         1.0
     );
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    }
 }

@@ -3,6 +3,7 @@
 
 use super::codec::{DecodeError, Reader, Writer};
 use super::{HEADER_LEN, MAGIC, MAX_MASKED, MAX_PAYLOAD, MAX_TEXT, MAX_TOKENS, PROTOCOL_VERSION};
+use crate::sampling::{InvalidSampling, SamplingParams};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -128,13 +129,27 @@ codes!(
     }
 );
 
-/// A prompt and how to sample its first token (the sampling parameters of
-/// `crate::sampling::SamplingParams`, so that the prefill samples exactly as the decode
-/// would: the penalties see the prompt, and `min_tokens` masks the tokens that would end
-/// generation).
-#[derive(Debug, Clone, PartialEq)]
+/// A prompt and how to sample its first token: the decode's own [`SamplingParams`], so
+/// that the prefill samples exactly as the decode would (the penalties see the prompt, and
+/// `min_tokens` masks the tokens that would end generation). On the wire the parameters are
+/// a [`WireSampling`]; the codec converts, and a PREFILL whose parameters are out of their
+/// limits does not decode.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct PrefillRequest {
     pub tokens: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Leading prompt tokens whose KV the decode holds already (its prefix cache; whole
+    /// KV blocks, fewer than `tokens`): their KV is not sent.
+    pub cached_tokens: u32,
+}
+
+/// The sampling parameters as a PREFILL carries them, field for field in the frame's order
+/// (module header of `kv`). The one conversion each way: [`From<&SamplingParams>`] narrows
+/// counts to `u32` (saturating: a `top_k` or `min_tokens` past `u32::MAX` means the same as
+/// `u32::MAX`, more than any vocabulary or context), and [`TryFrom<WireSampling>`] checks
+/// every limit with [`SamplingParams::validate`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct WireSampling {
     pub temperature: f32,
     pub top_k: u32,
     pub top_p: f32,
@@ -144,30 +159,48 @@ pub struct PrefillRequest {
     pub frequency_penalty: f32,
     pub presence_penalty: f32,
     pub min_tokens: u32,
-    /// At most [`MAX_MASKED`] ids.
     pub min_tokens_masked: Vec<u32>,
-    /// Leading prompt tokens whose KV the decode holds already (its prefix cache; whole
-    /// KV blocks, fewer than `tokens`): their KV is not sent.
-    pub cached_tokens: u32,
 }
 
-/// Neutral sampling: temperature 1, no cuts, no penalties, no masking, no prompt.
-impl Default for PrefillRequest {
-    fn default() -> Self {
+fn narrow(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+impl From<&SamplingParams> for WireSampling {
+    fn from(p: &SamplingParams) -> Self {
         Self {
-            tokens: Vec::new(),
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: None,
-            logprobs: None,
-            repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            min_tokens: 0,
-            min_tokens_masked: Vec::new(),
-            cached_tokens: 0,
+            temperature: p.temperature,
+            top_k: narrow(p.top_k),
+            top_p: p.top_p,
+            seed: p.seed,
+            logprobs: p.logprobs.map(narrow),
+            repetition_penalty: p.repetition_penalty,
+            frequency_penalty: p.frequency_penalty,
+            presence_penalty: p.presence_penalty,
+            min_tokens: narrow(p.min_tokens),
+            min_tokens_masked: p.min_tokens_masked.clone(),
         }
+    }
+}
+
+impl TryFrom<WireSampling> for SamplingParams {
+    type Error = InvalidSampling;
+
+    fn try_from(w: WireSampling) -> Result<Self, InvalidSampling> {
+        let p = SamplingParams {
+            temperature: w.temperature,
+            top_k: w.top_k as usize,
+            top_p: w.top_p,
+            seed: w.seed,
+            logprobs: w.logprobs.map(|n| n as usize),
+            repetition_penalty: w.repetition_penalty,
+            frequency_penalty: w.frequency_penalty,
+            presence_penalty: w.presence_penalty,
+            min_tokens: w.min_tokens as usize,
+            min_tokens_masked: w.min_tokens_masked,
+        };
+        p.validate()?;
+        Ok(p)
     }
 }
 
@@ -450,19 +483,20 @@ fn encode_payload(m: &Message) -> Vec<u8> {
             for &t in &p.tokens {
                 w.u32(t);
             }
-            w.f32(p.temperature);
-            w.u32(p.top_k);
-            w.f32(p.top_p);
-            w.u8(p.seed.is_some() as u8);
-            w.u64(p.seed.unwrap_or(0));
-            w.u8(p.logprobs.is_some() as u8);
-            w.u32(p.logprobs.unwrap_or(0));
-            w.f32(p.repetition_penalty);
-            w.f32(p.frequency_penalty);
-            w.f32(p.presence_penalty);
-            w.u32(p.min_tokens);
-            w.u32(p.min_tokens_masked.len() as u32);
-            for &t in &p.min_tokens_masked {
+            let s = WireSampling::from(&p.sampling);
+            w.f32(s.temperature);
+            w.u32(s.top_k);
+            w.f32(s.top_p);
+            w.u8(s.seed.is_some() as u8);
+            w.u64(s.seed.unwrap_or(0));
+            w.u8(s.logprobs.is_some() as u8);
+            w.u32(s.logprobs.unwrap_or(0));
+            w.f32(s.repetition_penalty);
+            w.f32(s.frequency_penalty);
+            w.f32(s.presence_penalty);
+            w.u32(s.min_tokens);
+            w.u32(s.min_tokens_masked.len() as u32);
+            for &t in &s.min_tokens_masked {
                 w.u32(t);
             }
             w.u32(p.cached_tokens);
@@ -692,11 +726,6 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
             let temperature = r.f32()?;
             let top_k = r.u32()?;
             let top_p = r.f32()?;
-            if !temperature.is_finite() || !top_p.is_finite() {
-                return Err(DecodeError::BadValue(
-                    "non-finite sampling parameter".into(),
-                ));
-            }
             let has_seed = r.flag()?;
             let seed = r.u64()?;
             let has_lp = r.flag()?;
@@ -704,15 +733,6 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
             let repetition_penalty = r.f32()?;
             let frequency_penalty = r.f32()?;
             let presence_penalty = r.f32()?;
-            let sane = repetition_penalty.is_finite()
-                && repetition_penalty > 0.0
-                && frequency_penalty.is_finite()
-                && presence_penalty.is_finite();
-            if !sane {
-                return Err(DecodeError::BadValue(format!(
-                    "penalties {repetition_penalty}, {frequency_penalty}, {presence_penalty}"
-                )));
-            }
             let min_tokens = r.u32()?;
             let m = r.u32()? as usize;
             if m > MAX_MASKED {
@@ -726,8 +746,7 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
                     "{cached_tokens} cached tokens of a {n}-token prompt"
                 )));
             }
-            Message::Prefill(PrefillRequest {
-                tokens,
+            let wire = WireSampling {
                 temperature,
                 top_k,
                 top_p,
@@ -738,6 +757,12 @@ fn decode_payload(t: MsgType, p: &[u8]) -> Result<Message, DecodeError> {
                 presence_penalty,
                 min_tokens,
                 min_tokens_masked,
+            };
+            let sampling = SamplingParams::try_from(wire)
+                .map_err(|e| DecodeError::BadValue(format!("sampling: {e}")))?;
+            Message::Prefill(PrefillRequest {
+                tokens,
+                sampling,
                 cached_tokens,
             })
         }

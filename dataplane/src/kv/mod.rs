@@ -99,6 +99,7 @@ pub mod chunks;
 mod codec;
 pub mod message;
 pub mod room;
+mod timings;
 
 #[cfg(test)]
 mod tests;
@@ -106,9 +107,10 @@ mod tests;
 pub use codec::DecodeError;
 pub use message::{
     CHUNK_PREFIX, Decoded, Envelope, FailCode, Header, KvChunk, KvChunkRef, KvLayout, Message,
-    MsgType, PrefillRequest, RejectReason, WireLogprob, decode, decode_borrowed, encode,
-    encode_chunk,
+    MsgType, PrefillRequest, RejectReason, WireLogprob, WireSampling, decode, decode_borrowed,
+    encode, encode_chunk,
 };
+pub use timings::PdTimings;
 
 /// Wire protocol version; bumped on any incompatible change of a payload (2: the chunk
 /// checksum is CRC-32C instead of the IEEE CRC-32; 3: PROGRESS, CREDIT and GOODBYE, REJECT
@@ -122,8 +124,7 @@ pub const HEADER_LEN: usize = 36;
 pub const MAX_PAYLOAD: usize = 64 << 20;
 /// Most prompt tokens in one PREFILL.
 pub const MAX_TOKENS: usize = 1 << 20;
-/// Most token ids masked until `min_tokens` in one PREFILL (the HTTP API takes at most
-/// 1024 `stop_token_ids`, and a model has a few end-of-generation tokens on top).
-pub const MAX_MASKED: usize = 4096;
+/// Most token ids masked until `min_tokens` in one PREFILL (the sampling limit).
+pub const MAX_MASKED: usize = crate::sampling::limits::MAX_MASKED;
 /// Longest reason text or fingerprint.
 pub const MAX_TEXT: usize = 1024;

@@ -7,6 +7,7 @@ use rand::{Rng, SeedableRng};
 
 use super::chunks::{Assembler, BufferPool, ChunkError, POOL_BYTES, split};
 use super::*;
+use crate::sampling::SamplingParams;
 
 fn layout() -> impl Strategy<Value = KvLayout> {
     (
@@ -33,6 +34,38 @@ fn finite() -> impl Strategy<Value = f32> {
     -1e6f32..1e6f32
 }
 
+/// Sampling parameters within every limit (`sampling::limits`), counts within `u32`.
+fn sampling() -> impl Strategy<Value = SamplingParams> {
+    (
+        (
+            0.0f32..=2.0,
+            any::<u32>(),
+            1e-6f32..=1.0,
+            any::<Option<u64>>(),
+        ),
+        proptest::option::of(0usize..=20),
+        (0.01f32..10.0, -2.0f32..=2.0, -2.0f32..=2.0),
+        any::<u32>(),
+        prop::collection::vec(any::<u32>(), 0..8),
+    )
+        .prop_map(
+            |((temperature, top_k, top_p, seed), logprobs, pen, min_tokens, masked)| {
+                SamplingParams {
+                    temperature,
+                    top_k: top_k as usize,
+                    top_p,
+                    seed,
+                    logprobs,
+                    repetition_penalty: pen.0,
+                    frequency_penalty: pen.1,
+                    presence_penalty: pen.2,
+                    min_tokens: min_tokens as usize,
+                    min_tokens_masked: masked,
+                }
+            },
+        )
+}
+
 fn message() -> impl Strategy<Value = Message> {
     prop_oneof![
         (text(), layout(), any::<[u8; 32]>()).prop_map(|(fingerprint, layout, nonce)| {
@@ -56,34 +89,17 @@ fn message() -> impl Strategy<Value = Message> {
             .prop_map(|(reason, text)| Message::Reject { reason, text }),
         (
             prop::collection::vec(any::<u32>(), 1..64),
-            finite(),
-            any::<u32>(),
-            finite(),
-            any::<Option<u64>>(),
-            any::<Option<u32>>(),
-            (0.01f32..10.0, finite(), finite(), any::<u32>()),
-            prop::collection::vec(any::<u32>(), 0..8),
+            sampling(),
             any::<u32>(),
         )
-            .prop_map(
-                |(tokens, temperature, top_k, top_p, seed, logprobs, pen, masked, c)| {
-                    let cached_tokens = c % tokens.len() as u32;
-                    Message::Prefill(PrefillRequest {
-                        tokens,
-                        temperature,
-                        top_k,
-                        top_p,
-                        seed,
-                        logprobs,
-                        repetition_penalty: pen.0,
-                        frequency_penalty: pen.1,
-                        presence_penalty: pen.2,
-                        min_tokens: pen.3,
-                        min_tokens_masked: masked,
-                        cached_tokens,
-                    })
-                }
-            ),
+            .prop_map(|(tokens, sampling, c)| {
+                let cached_tokens = c % tokens.len() as u32;
+                Message::Prefill(PrefillRequest {
+                    tokens,
+                    sampling,
+                    cached_tokens,
+                })
+            }),
         (
             prop::collection::vec(any::<u8>(), 0..256),
             0u32..4,
@@ -248,7 +264,10 @@ fn hundred_thousand_hostile_inputs_never_panic() {
                     room: 3,
                     msg: Message::Prefill(PrefillRequest {
                         tokens: vec![1, 2, 3],
-                        temperature: 0.0,
+                        sampling: SamplingParams {
+                            temperature: 0.0,
+                            ..Default::default()
+                        },
                         ..Default::default()
                     }),
                 };
@@ -427,5 +446,76 @@ fn chunk_fast_path_matches_the_general_codec_without_copies() {
         assert_eq!(got, c);
         // The decoded data is the received frame's bytes, not a copy.
         assert_eq!(got.data.as_ptr(), fast[1][super::CHUNK_PREFIX..].as_ptr());
+    }
+}
+
+fn prefill_env(sampling: SamplingParams) -> Envelope {
+    Envelope {
+        incarnation: 1,
+        group_incarnation: 2,
+        room: 3,
+        msg: Message::Prefill(PrefillRequest {
+            tokens: vec![5, 6, 7],
+            sampling,
+            cached_tokens: 0,
+        }),
+    }
+}
+
+proptest! {
+    /// Sampling has one wire form: the parameters a decode sends are the ones the prefill
+    /// samples its first token with, through the conversion and through a whole PREFILL.
+    #[test]
+    fn sampling_round_trips_through_its_wire_form(p in sampling()) {
+        let w = WireSampling::from(&p);
+        prop_assert_eq!(SamplingParams::try_from(w), Ok(p.clone()));
+        let env = prefill_env(p);
+        prop_assert_eq!(decode2(&encode(&env)), Ok(env));
+    }
+
+    /// Out of its limits, a parameter is refused by name (never clamped): the PREFILL
+    /// does not decode, and the same check refuses it on the HTTP side.
+    #[test]
+    fn sampling_out_of_its_limits_does_not_decode(
+        p in sampling(),
+        field in 0usize..6,
+        over in 1e-3f32..1e3,
+    ) {
+        let mut bad = p;
+        let name = match field {
+            0 => { bad.temperature = 2.0 + over; "temperature" }
+            1 => { bad.top_p = -over; "top_p" }
+            2 => { bad.frequency_penalty = -2.0 - over; "frequency_penalty" }
+            3 => { bad.presence_penalty = 2.0 + over; "presence_penalty" }
+            4 => { bad.repetition_penalty = -over; "repetition_penalty" }
+            _ => { bad.logprobs = Some(21 + over as usize); "logprobs" }
+        };
+        prop_assert_eq!(bad.validate().map_err(|e| e.field), Err(name));
+        let e = decode2(&encode(&prefill_env(bad))).unwrap_err();
+        prop_assert!(
+            matches!(&e, DecodeError::BadValue(m) if m.contains(name)),
+            "{e:?}"
+        );
+    }
+}
+
+#[test]
+fn counts_beyond_u32_narrow_to_u32_max_in_one_place() {
+    let p = SamplingParams {
+        top_k: usize::MAX,
+        min_tokens: usize::MAX,
+        ..Default::default()
+    };
+    let w = WireSampling::from(&p);
+    assert_eq!((w.top_k, w.min_tokens), (u32::MAX, u32::MAX));
+    // Past every vocabulary and context, so the same as before on the other side.
+    let back = SamplingParams::try_from(w).unwrap();
+    assert_eq!(back.top_k, u32::MAX as usize);
+    for nan in [f32::NAN, f32::INFINITY] {
+        let p = SamplingParams {
+            temperature: nan,
+            ..Default::default()
+        };
+        assert_eq!(p.validate().unwrap_err().field, "temperature");
     }
 }

@@ -270,16 +270,7 @@ impl DecodeHandle {
         let (reply, mut rx) = tmpsc::channel(1);
         let req = PrefillRequest {
             tokens: prompt.to_vec(),
-            temperature: sampling.temperature,
-            top_k: sampling.top_k.min(u32::MAX as usize) as u32,
-            top_p: sampling.top_p,
-            seed: sampling.seed,
-            logprobs: sampling.logprobs.map(|n| n as u32),
-            repetition_penalty: sampling.repetition_penalty,
-            frequency_penalty: sampling.frequency_penalty,
-            presence_penalty: sampling.presence_penalty,
-            min_tokens: sampling.min_tokens.min(u32::MAX as usize) as u32,
-            min_tokens_masked: sampling.min_tokens_masked.clone(),
+            sampling: sampling.clone(),
             cached_tokens: cached as u32,
         };
         let cmd = Command::Open {

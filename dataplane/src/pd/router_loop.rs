@@ -24,7 +24,7 @@ use crate::kv::{
     WireLogprob, chunks, decode,
 };
 use crate::metrics::Metrics;
-use crate::sampling::{SamplingParams, TokenLogprob};
+use crate::sampling::TokenLogprob;
 use crate::scheduler::{EngineHandle, FailReason, GenEvent, GenerateRequest, Transfer};
 
 /// Most handshakes waiting for AUTH; the oldest is dropped beyond this (rule 11 in
@@ -524,18 +524,7 @@ impl RouterLoop {
         let request = GenerateRequest {
             prompt: req.tokens,
             max_tokens: 1,
-            sampling: SamplingParams {
-                temperature: req.temperature,
-                top_k: req.top_k as usize,
-                top_p: req.top_p,
-                seed: req.seed,
-                logprobs: req.logprobs.map(|n| n.min(20) as usize),
-                repetition_penalty: req.repetition_penalty,
-                frequency_penalty: req.frequency_penalty,
-                presence_penalty: req.presence_penalty,
-                min_tokens: req.min_tokens as usize,
-                min_tokens_masked: req.min_tokens_masked,
-            },
+            sampling: req.sampling,
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             transfer: Transfer::Export {

@@ -5,32 +5,8 @@ use std::time::Duration;
 
 use crate::engine_api::ModelInfo;
 use crate::kv::KvLayout;
+pub use crate::kv::PdTimings;
 use crate::kv::auth::{GroupKey, LocalIdentity};
-
-/// The protocol's timings (from `--probe-period-seconds`, `--failure-threshold`,
-/// `--bootstrap-timeout-seconds` and `--kv-timeout-seconds`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PdTimings {
-    pub probe_period: Duration,
-    pub failure_threshold: u32,
-    pub bootstrap_timeout: Duration,
-    pub kv_timeout: Duration,
-}
-
-impl PdTimings {
-    /// How long without a PONG before a peer counts as down.
-    pub fn liveness_window(&self) -> Duration {
-        self.probe_period * self.failure_threshold.max(1)
-    }
-
-    /// Prefill: how long a decode session may stay silent (no message at all, PING
-    /// included) before the prefill drops it and fails its rooms: twice the decode's own
-    /// liveness window (a live decode PINGs every probe period), and never less than the
-    /// bootstrap timeout.
-    pub fn session_expiry(&self) -> Duration {
-        (self.liveness_window() * 2).max(self.bootstrap_timeout)
-    }
-}
 
 /// Settings of the KV channel beyond its timings.
 #[derive(Debug, Clone, Copy, PartialEq)]

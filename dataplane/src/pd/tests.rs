@@ -4,6 +4,7 @@
 //! session cap. The prefill runs on the toy engine
 //! (`test_support::fake_runner`); its peers are stub decodes speaking the real protocol.
 
+use crate::sampling::SamplingParams;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -297,7 +298,7 @@ impl StubDecode {
     fn prefill(&self, room: u64, tokens: usize) {
         let req = PrefillRequest {
             tokens: (0..tokens as u32).map(|t| 2 + t % 30).collect(),
-            temperature: 0.0,
+            sampling: greedy(),
             ..Default::default()
         };
         self.send(room, Message::Prefill(req));
@@ -626,4 +627,11 @@ fn the_toy_runner_exports_four_bytes_per_token() {
     }])
     .unwrap();
     assert_eq!(r.export_kv(SeqId(1)).unwrap().len(), 12);
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    }
 }

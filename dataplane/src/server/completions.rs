@@ -15,6 +15,7 @@ use super::output::{Kind, Shape, logprobs_json};
 use super::params::{self, Common, Prompt};
 use super::{AppState, Body, json_response};
 use crate::pd::PdRole;
+use crate::sampling::limits;
 use crate::scheduler::{FailReason, GenEvent, GenerateRequest, KvImport, Transfer};
 
 type R<T> = std::result::Result<T, ApiError>;
@@ -50,10 +51,10 @@ pub async fn chat(state: Arc<AppState>, body: Bytes) -> R<http::Response<Body>> 
     )?;
     if params::opt_bool(&o, "logprobs")?.unwrap_or(false) {
         let n = params::opt_int(&o, "top_logprobs", 0)?.unwrap_or(0);
-        if n > 20 {
+        if n > limits::MAX_LOGPROBS as i64 {
             return Err(ApiError::invalid(
                 Some("top_logprobs"),
-                "'top_logprobs' must be at most 20",
+                format!("'top_logprobs' must be at most {}", limits::MAX_LOGPROBS),
             ));
         }
         common.sampling.logprobs = Some(n as usize);
@@ -82,10 +83,10 @@ pub async fn completions(state: Arc<AppState>, body: Bytes) -> R<http::Response<
     let prompt = params::prompt(&o, state.tokenizer.vocab_size())?;
     let mut common = params::common(&o, &["max_tokens"], state.tokenizer.vocab_size())?;
     if let Some(n) = params::opt_int(&o, "logprobs", 0)? {
-        if n > 20 {
+        if n > limits::MAX_LOGPROBS as i64 {
             return Err(ApiError::invalid(
                 Some("logprobs"),
-                "'logprobs' must be at most 20",
+                format!("'logprobs' must be at most {}", limits::MAX_LOGPROBS),
             ));
         }
         common.sampling.logprobs = Some(n as usize);
@@ -164,6 +165,10 @@ async fn generate(
         c.sampling.min_tokens = c.min_tokens;
         c.sampling.min_tokens_masked = stop_token_ids.clone();
     }
+    // The one check of every limit (the parsing above names the request's own fields).
+    c.sampling
+        .validate()
+        .map_err(|e| ApiError::invalid(Some(e.field), e.to_string()))?;
     // Decode role: the engine reserves the sequence's KV blocks first (queueing for
     // them, or refusing a request that can never fit); only then does a room open on a
     // prefill, whose KV and first token go straight into the reserved sequence. Dropping

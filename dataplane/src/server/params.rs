@@ -4,7 +4,7 @@ use serde_json::{Map, Value};
 
 use super::api_error::ApiError;
 use crate::chat::ChatMessage;
-use crate::sampling::SamplingParams;
+use crate::sampling::{SamplingParams, limits};
 
 pub type Obj = Map<String, Value>;
 type R<T> = std::result::Result<T, ApiError>;
@@ -49,6 +49,11 @@ pub fn opt_f32(o: &Obj, k: &str, lo: f32, hi: f32) -> R<Option<f32>> {
         ));
     }
     Ok(Some(x))
+}
+
+/// A number within one of the sampling limits.
+fn opt_range(o: &Obj, k: &str, r: &std::ops::RangeInclusive<f32>) -> R<Option<f32>> {
+    opt_f32(o, k, *r.start(), *r.end())
 }
 
 /// An integer; `lo` is the smallest accepted value.
@@ -184,14 +189,14 @@ pub fn common(o: &Obj, max_tokens_keys: &[&str], vocab_size: usize) -> R<Common>
     Ok(Common {
         max_tokens,
         sampling: SamplingParams {
-            temperature: opt_f32(o, "temperature", 0.0, 2.0)?.unwrap_or(1.0),
-            top_p: opt_f32(o, "top_p", f32::MIN_POSITIVE, 1.0)?.unwrap_or(1.0),
+            temperature: opt_range(o, "temperature", &limits::TEMPERATURE)?.unwrap_or(1.0),
+            top_p: opt_range(o, "top_p", &limits::TOP_P)?.unwrap_or(1.0),
             top_k: opt_int(o, "top_k", 0)?.unwrap_or(0) as usize,
             seed: opt_int(o, "seed", i64::MIN)?.map(|s| s as u64),
             logprobs: None,
             repetition_penalty: opt_positive_f32(o, "repetition_penalty")?.unwrap_or(1.0),
-            frequency_penalty: opt_f32(o, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0),
-            presence_penalty: opt_f32(o, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0),
+            frequency_penalty: opt_range(o, "frequency_penalty", &limits::PENALTY)?.unwrap_or(0.0),
+            presence_penalty: opt_range(o, "presence_penalty", &limits::PENALTY)?.unwrap_or(0.0),
             min_tokens: 0,
             min_tokens_masked: Vec::new(),
         },
