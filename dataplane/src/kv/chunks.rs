@@ -165,6 +165,19 @@ pub struct KvPayload {
     pool: Option<BufferPool>,
 }
 
+impl std::fmt::Debug for KvPayload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "KvPayload(<{} bytes>)", self.buf.len())
+    }
+}
+
+/// Two payloads are equal when their bytes are (wherever their memory goes back to).
+impl PartialEq for KvPayload {
+    fn eq(&self, other: &Self) -> bool {
+        self.buf == other.buf
+    }
+}
+
 impl std::ops::Deref for KvPayload {
     type Target = [u8];
     fn deref(&self) -> &[u8] {

@@ -97,10 +97,19 @@ pub mod auth;
 pub mod checksum;
 pub mod chunks;
 mod codec;
+pub mod decode_session;
 pub mod message;
+mod prefill_request;
+pub mod prefill_session;
 pub mod room;
 mod timings;
 
+#[cfg(test)]
+mod session_harness;
+#[cfg(test)]
+mod session_props;
+#[cfg(test)]
+mod session_tests;
 #[cfg(test)]
 mod tests;
 

@@ -19,6 +19,7 @@ use super::settings::{ChannelConfig, random_id};
 use super::supervise::{Lifecycle, LoopHealth, LoopThreads, supervise};
 use super::wire;
 use crate::engine_api::ModelInfo;
+use crate::kv::decode_session::DecodeConfig;
 use crate::kv::{FailCode, PrefillRequest};
 use crate::metrics::Metrics;
 use crate::sampling::SamplingParams;
@@ -89,14 +90,17 @@ pub fn start(
             ctx: ctx.clone(),
             sock,
             monitor,
-            addr: addr.clone(),
-            local: local.clone(),
-            key: key.clone(),
-            timings,
-            per_token,
-            send_budget: limits.send_budget,
+            session: DecodeConfig {
+                addr: addr.clone(),
+                local: local.clone(),
+                key: key.clone(),
+                timings,
+                per_token,
+                send_budget: limits.send_budget,
+                pool: pool.clone(),
+                seed: None,
+            },
             metrics: metrics.clone(),
-            pool: pool.clone(),
             lifecycle: lifecycle.clone(),
         };
         let body = DealerLoop::new(config, health.clone(), shared.clone(), rx);
