@@ -22,6 +22,7 @@ pub mod member;
 pub mod metrics;
 pub mod probe;
 pub mod process;
+pub mod record;
 pub mod router;
 pub mod runtime;
 pub mod schema;

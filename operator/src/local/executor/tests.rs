@@ -160,7 +160,11 @@ fn a_pod_becomes_a_process_with_the_pods_args_and_env_on_loopback() {
         "{:?}",
         d.args
     );
-    assert_eq!(env_of(d, "TANDEM_PREFILL_PEERS"), None, "one channel: the flag");
+    assert_eq!(
+        env_of(d, "TANDEM_PREFILL_PEERS"),
+        None,
+        "one channel: the flag"
+    );
 }
 
 #[test]
