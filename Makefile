@@ -35,7 +35,7 @@ lint: module-cycles
 ## module-cycles: no import cycle between the modules of the operator and dataplane
 ## crates (at every level, the children of a module form a DAG; scripts/check_module_cycles.py)
 module-cycles:
-	python3 scripts/check_module_cycles.py operator/src/lib.rs dataplane/src/lib.rs
+	python3 scripts/check_module_cycles.py --self-test operator/src/lib.rs dataplane/src/lib.rs
 
 # The local runtime's tests (operator/tests/local_runtime.rs) start
 # target/debug/tandem-dataplane: built before any test runs.

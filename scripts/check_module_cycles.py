@@ -268,38 +268,78 @@ def collect_reexports(root: Module):
                     mod.reexports[name] = tuple(target) + ((segs[-1],) if find(root, target + (segs[-1],)) is None else ())
 
 
+def self_test():
+    """The check can fail: a crate with a cycle (also one through a re-export and one
+    between grandchildren) is refused, and test-only references do not count."""
+    import tempfile
+
+    cases = [
+        # (files, expect a cycle)
+        ({"lib.rs": "mod a;\nmod b;\n", "a.rs": "use crate::b::X;\npub struct Y;\n",
+          "b.rs": "use crate::a::Y;\npub struct X;\n"}, True),
+        ({"lib.rs": "mod a;\nmod b;\n", "a.rs": "use crate::b::X;\npub struct Y;\n",
+          "b.rs": "#[cfg(test)]\nuse crate::a::Y;\npub struct X;\n"}, False),
+        ({"lib.rs": "mod a;\nmod b;\npub use a::Y;\n", "a.rs": "use crate::b::X;\npub struct Y;\n",
+          "b.rs": "pub struct X;\nfn f() -> crate::Y { todo!() }\n"}, True),
+        ({"lib.rs": "mod p;\n", "p.rs": "mod c;\nmod d;\n",
+          "p/c.rs": "use super::d::X; // crate::p::c -> d\npub struct Y;\n",
+          "p/d.rs": "pub struct X;\nconst S: &str = \"super::c::Y\";\n"}, False),
+        ({"lib.rs": "mod p;\n", "p.rs": "mod c;\nmod d;\n",
+          "p/c.rs": "use super::d::X;\npub struct Y;\n",
+          "p/d.rs": "use super::c::{self, Y};\npub struct X;\n"}, True),
+    ]
+    for i, (files, want) in enumerate(cases):
+        with tempfile.TemporaryDirectory() as d:
+            root = Path(d)
+            for name, text in files.items():
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                (root / name).write_text(text)
+            got = bool(find_cycles(root / "lib.rs")[0])
+            if got != want:
+                sys.exit(f"self-test case {i}: cycle found = {got}, expected {want}")
+    print(f"check_module_cycles self-test: {len(cases)} cases as expected")
+
+
+def find_cycles(root_file: Path):
+    root = load(root_file)
+    collect_reexports(root)
+    edges: dict[tuple, dict[tuple[str, str], str]] = defaultdict(dict)
+    for mod in all_modules(root):
+        for segs, line, is_use in references(mod):
+            target = resolve(root, mod, segs, is_use)
+            if target is None:
+                continue
+            src = mod.path
+            k = 0
+            while k < min(len(src), len(target)) and src[k] == target[k]:
+                k += 1
+            if k == len(src) or k == len(target):
+                continue  # within one subtree, or up to an ancestor
+            parent = src[:k]
+            edges[parent].setdefault((src[k], target[k]), f"{mod.file}:{line}")
+    cycles = []
+    for parent, es in sorted(edges.items()):
+        graph = defaultdict(set)
+        for a, b in es:
+            graph[a].add(b)
+        for comp in sccs(graph):
+            if len(comp) > 1:
+                cycles.append((parent, comp, es))
+    return cycles, root, edges
+
+
 def main(argv):
     if len(argv) < 2:
         sys.exit(__doc__)
+    if argv[1] == "--self-test":
+        self_test()
+        argv = argv[1:]
+        if len(argv) < 2:
+            return 0
     failed = False
     for arg in argv[1:]:
         root_file = Path(arg)
-        root = load(root_file)
-        collect_reexports(root)
-        # Sibling edges at every level, with one example reference each.
-        edges: dict[tuple, dict[tuple[str, str], str]] = defaultdict(dict)
-        for mod in all_modules(root):
-            for segs, line, is_use in references(mod):
-                target = resolve(root, mod, segs, is_use)
-                if target is None:
-                    continue
-                src = mod.path
-                k = 0
-                while k < min(len(src), len(target)) and src[k] == target[k]:
-                    k += 1
-                if k == len(src) or k == len(target):
-                    continue  # within one subtree, or up to an ancestor
-                parent = src[:k]
-                a, b = src[k], target[k]
-                edges[parent].setdefault((a, b), f"{mod.file}:{line}")
-        cycles = []
-        for parent, es in sorted(edges.items()):
-            graph = defaultdict(set)
-            for a, b in es:
-                graph[a].add(b)
-            for comp in sccs(graph):
-                if len(comp) > 1:
-                    cycles.append((parent, comp, es))
+        cycles, root, edges = find_cycles(root_file)
         name = root_file.parent.parent.name
         if not cycles:
             n = sum(len(e) for e in edges.values())

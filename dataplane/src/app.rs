@@ -129,7 +129,8 @@ fn start_pd(
     engine: &crate::scheduler::EngineHandle,
     metrics: &Arc<Metrics>,
 ) -> Result<Option<PdRole>> {
-    // A fresh random incarnation per process start (rule 4 in docs/architecture.md).
+    // A fresh random incarnation per process start: a peer that sees it change knows this
+    // is another process and forgets everything about the old one.
     let incarnation = crate::pd::random_id();
     let local = crate::pd::local_identity(info, kv_dtype, incarnation, cfg.kv.group_incarnation);
     let key = GroupKey::new(cfg.kv.group_key.as_bytes());

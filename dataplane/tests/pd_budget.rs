@@ -1,4 +1,4 @@
-//! Rule 10 in bytes, with a real stalled peer: a decode process is SIGSTOPped after its
+//! Sends bounded in bytes, with a real stalled peer: a decode process is SIGSTOPped after its
 //! rooms reached the prefill, so it reads nothing while the prefill finishes them. With a
 //! small send budget the prefill sends one room's KV, fails the others at once
 //! (`send_budget`, counted) and its memory stays within the budget; with a budget larger

@@ -229,7 +229,7 @@ fn decode_refuses_a_prefill_that_cannot_prove_the_key() {
     assert_eq!(decode.get("/health").status, 200, "liveness is unaffected");
 }
 
-/// Rule 6 (docs/architecture.md) end to end: the prefill fails a room (its KV cache is too
+/// Failures pushed, logged once and counted, end to end: the prefill fails a room (its KV cache is too
 /// small for the prompt, which the decode's accepts). FAILED reaches the decode at once (not
 /// by a timeout), the client gets the reason, and each side logs the failure once with room,
 /// peer, the peer's incarnation and the reason, and counts it under that reason.

@@ -1,5 +1,6 @@
-//! Handshake: compatibility checks and mutual challenge-response authentication with the
-//! group key (rules 1 and 11 in docs/architecture.md). Pure functions over message values;
+//! Handshake: compatibility checks (version, model, KV layout, group incarnation: refused
+//! with the reason) and mutual challenge-response authentication with the group key (the
+//! key never crosses the wire). Pure functions over message values;
 //! the transport keeps the per-peer state and does the sending.
 
 use hmac::{Hmac, Mac};

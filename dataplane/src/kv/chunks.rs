@@ -1,7 +1,7 @@
 //! Splitting an exported KV buffer (`model::kv_transfer` layout) into chunks along layer
-//! boundaries, and reassembling them on the receiver with validation (rule 9 in
-//! docs/architecture.md: every chunk names its room, and must be the next expected chunk
-//! with a matching checksum).
+//! boundaries, and reassembling them on the receiver with validation (a payload is checked
+//! against its room: every chunk names its room, and must be the next expected chunk with a
+//! matching checksum).
 
 use std::sync::{Arc, Mutex};
 

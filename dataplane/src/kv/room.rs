@@ -1,8 +1,8 @@
 //! Rooms: one prompt's transfer between a decode and a prefill. A table of rooms with a
 //! small state machine: forward-only progress, sticky terminal states, no resurrection of
-//! ids (finished ids are remembered, bounded), a no-progress deadline per state (rule 7),
-//! and aborts that keep the room's resources until the peer acknowledges (rule 8).
-//! Rule numbers are those of `docs/architecture.md`.
+//! ids (finished ids are remembered, bounded), a no-progress deadline per state (every wait
+//! has a deadline), and aborts that keep the room's resources until the peer acknowledges
+//! (memory is reused only once the peer stopped writing it).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -133,7 +133,7 @@ pub struct Room<T> {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AbortOutcome {
-    /// Unknown or already finished: nothing to do (docs/architecture.md rule 2).
+    /// Unknown or already finished: nothing to do (an ABORT can never hurt the receiver).
     NoOp,
     /// Already aborting: nothing new to send.
     AlreadyAborting,

@@ -12,8 +12,8 @@
 //! Threads: every socket is owned by exactly one loop thread (ZeroMQ sockets are not
 //! thread safe). The engine thread and the HTTP tasks talk to the loops only through
 //! bounded channels with non-blocking sends, so no socket I/O ever happens on the engine
-//! thread (rule 10), and the health probe (PING/PONG) runs through the very loop and socket
-//! that carry KV (rule 5). Rule numbers are those of `docs/architecture.md`.
+//! thread, and the health probe (PING/PONG) runs through the very loop and socket that
+//! carry KV, so it measures the data path itself.
 
 mod dealer_loop;
 pub mod decode;

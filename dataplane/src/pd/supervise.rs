@@ -1,4 +1,4 @@
-//! Supervision of the socket loops (rule 3 in docs/architecture.md): a panic is caught,
+//! Supervision of the socket loops (every loop is supervised): a panic is caught,
 //! counted and logged, the loop's `after_panic` fails the rooms it owned, and the loop runs
 //! again. Each loop beats a heartbeat that `/ready` checks, so a dead or stuck loop turns
 //! the process not-ready.

@@ -1,6 +1,6 @@
 //! In-process tests of the PD loops with real ZeroMQ sockets and the production loops:
-//! supervision and readiness of both sides' loops (rule 3), sends bounded in bytes and never
-//! blocking (rule 10; rules as numbered in `docs/architecture.md`), and eviction at the
+//! supervision and readiness of both sides' loops (a stuck or dead loop makes the process
+//! not ready), sends bounded in bytes and never blocking the engine, and eviction at the
 //! session cap. The prefill runs on the toy engine
 //! (`test_support::fake_runner`); its peers are stub decodes speaking the real protocol.
 
@@ -59,7 +59,7 @@ fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
 }
 
 #[test]
-fn rule3_stuck_kv_loop_flips_ready_within_one_probe_period_and_a_panicking_loop_restarts() {
+fn a_stuck_kv_loop_flips_ready_within_one_probe_period_and_a_panicking_loop_restarts() {
     // A stub prefill: a ROUTER that never answers, so the real decode loop keeps sending
     // HELLO (one per bootstrap timeout) — observable proof that the loop is running.
     let ctx = zmq::Context::new();
@@ -331,11 +331,11 @@ impl StubDecode {
     }
 }
 
-/// Rule 10 on the production path: a decode that stops reading. The prefill's own loop
+/// Sends bounded in bytes, on the production path: a decode that stops reading. The prefill's own loop
 /// sends within its byte budget and refuses the rest at once, counted and pushed, without
 /// its loop ever blocking; acknowledgements (CREDIT) free the budget again.
 #[test]
-fn rule10_the_prefill_bounds_kv_in_flight_by_bytes_and_refuses_past_it_at_once() {
+fn the_prefill_bounds_kv_in_flight_by_bytes_and_refuses_past_it_at_once() {
     // The toy engine exports 4 bytes per prompt token: rooms of 100 tokens carry 400 bytes.
     let limits = PdLimits {
         send_budget: 1000,
@@ -421,11 +421,11 @@ fn rule10_the_prefill_bounds_kv_in_flight_by_bytes_and_refuses_past_it_at_once()
     ) >= 1.0));
 }
 
-/// Rule 3 for the prefill's loop: a stall turns `/ready` not-ready within one probe period
+/// Supervision of the prefill's loop: a stall turns `/ready` not-ready within one probe period
 /// and heals by itself; a panic fails the rooms the loop held (FAILED `loop_panic` pushed to
 /// the decode), is counted, and the restarted loop serves again.
 #[test]
-fn rule3_the_prefill_loop_is_supervised_stall_and_panic() {
+fn the_prefill_loop_is_supervised_stall_and_panic() {
     let t = timings();
     let p = start_prefill(PdLimits::default(), t, Duration::from_millis(300));
     let role = PdRole::Prefill(p.handle);
