@@ -16,11 +16,24 @@ def main() -> None:
     assert model in models, models
 
     msgs = [{"role": "user", "content": "Say hello."}]
-    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+    r = client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=0
+    )
     text = r.choices[0].message.content
     assert r.choices[0].message.role == "assistant"
     assert text, r
-    assert r.usage.completion_tokens == len(r.choices[0].message.content) or r.usage.completion_tokens <= 8
+    # The usage accounts for every token generated: one logprobs entry per token the text
+    # is made of, plus the end-of-generation token when that is what stopped it; eight
+    # tokens exactly when max_tokens ended it.
+    u, finish0 = r.usage, r.choices[0].finish_reason
+    entries = r.choices[0].logprobs.content
+    assert u.prompt_tokens > 0 and u.total_tokens == u.prompt_tokens + u.completion_tokens, u
+    assert "".join(e.token for e in entries) == text, (entries, text)
+    if finish0 == "length":
+        assert u.completion_tokens == 8 == len(entries), (u, len(entries))
+    else:
+        assert finish0 == "stop", finish0
+        assert len(entries) <= u.completion_tokens <= len(entries) + 1 <= 8, (u, len(entries))
 
     parts = []
     finish = None
@@ -37,7 +50,7 @@ def main() -> None:
             if c.finish_reason:
                 finish = c.finish_reason
     assert "".join(parts) == text, ("".join(parts), text)
-    assert finish in ("stop", "length"), finish
+    assert finish == finish0, (finish, finish0)
     assert usage is not None and usage.completion_tokens == r.usage.completion_tokens, usage
 
     c = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)

@@ -359,6 +359,10 @@ pub struct Metrics {
     pub inter_token: Histogram,
     pub running: Gauge,
     pub waiting: Gauge,
+    /// Forward steps of the engine, and the sequences they carried (their ratio is the
+    /// mean batch: 1 means the requests ran one after another).
+    pub engine_steps: Counter,
+    pub engine_step_sequences: Counter,
     pub kv_blocks_used: Gauge,
     pub kv_blocks_free: Gauge,
 }
@@ -376,6 +380,7 @@ impl Metrics {
         let ttft = Histogram::new(exponential_buckets(0.001, 2.0, 17));
         let inter_token = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         let (running, waiting) = (Gauge::default(), Gauge::default());
+        let (engine_steps, engine_step_sequences) = (Counter::default(), Counter::default());
         let (kv_blocks_used, kv_blocks_free) = (Gauge::default(), Gauge::default());
         registry.register(
             "http_requests",
@@ -426,6 +431,16 @@ impl Metrics {
             "requests_waiting",
             "Requests waiting for admission",
             waiting.clone(),
+        );
+        registry.register(
+            "engine_steps",
+            "Forward steps of the engine",
+            engine_steps.clone(),
+        );
+        registry.register(
+            "engine_step_sequences",
+            "Sequences carried by the engine's forward steps (divided by the steps: the mean batch)",
+            engine_step_sequences.clone(),
         );
         registry.register(
             "kv_blocks_used",
@@ -481,6 +496,8 @@ impl Metrics {
             inter_token,
             running,
             waiting,
+            engine_steps,
+            engine_step_sequences,
             kv_blocks_used,
             kv_blocks_free,
         }

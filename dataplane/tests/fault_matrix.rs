@@ -682,7 +682,9 @@ fn partition() -> Row {
     let pair = match NetPair::create(2) {
         Ok(p) => p,
         Err(e) => {
-            row.note = format!("skipped: the kernel refused a network namespace ({e})");
+            let why = format!("the kernel refused a network namespace ({e})");
+            common::skipped("fault_matrix row 'network partition'", &why);
+            row.note = format!("skipped: {why}");
             return row;
         }
     };

@@ -177,6 +177,13 @@ fn concurrent_equals_sequential(extra: &[&str], fields: &Value) -> (Server, Vec<
         .iter()
         .map(|p| greedy_tokens(&s, p, fields))
         .collect();
+    let steps = |s: &Server| {
+        (
+            s.metric("tandem_engine_steps_total "),
+            s.metric("tandem_engine_step_sequences_total "),
+        )
+    };
+    let (steps0, seqs0) = steps(&s);
     let concurrent: Vec<Vec<String>> = std::thread::scope(|sc| {
         let hs: Vec<_> = prompts
             .iter()
@@ -187,6 +194,15 @@ fn concurrent_equals_sequential(extra: &[&str], fields: &Value) -> (Server, Vec<
     for (i, (a, b)) in sequential.iter().zip(&concurrent).enumerate() {
         assert_eq!(a, b, "prompt {:?}", prompts[i]);
     }
+    // The requests ran together: their steps carried more than one sequence on average
+    // (one after another, every step would carry exactly one).
+    let (steps1, seqs1) = steps(&s);
+    let (n_steps, n_seqs) = (steps1 - steps0, seqs1 - seqs0);
+    assert!(n_steps > 0.0, "no engine step counted");
+    assert!(
+        n_seqs / n_steps >= 1.5,
+        "the concurrent requests shared few steps: {n_seqs} sequences in {n_steps} steps"
+    );
     let distinct: std::collections::HashSet<_> = sequential.iter().collect();
     assert!(
         distinct.len() > 4,

@@ -417,6 +417,10 @@ impl<R: ModelRunner> Engine<R> {
         if batch.is_empty() {
             return;
         }
+        self.metrics.engine_steps.inc();
+        self.metrics
+            .engine_step_sequences
+            .inc_by(batch.len() as u64);
         // One sampler per batch entry (owners are distinct running indices). The runner
         // samples where the logits are (a device runner moves only token ids); by
         // default it is step + `Sampler::sample` on the host, row by row.

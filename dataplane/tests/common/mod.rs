@@ -394,6 +394,25 @@ pub fn start_decode(kv_ports: &[u16], env: &[(&str, &str)], wait: bool) -> Serve
     s
 }
 
+/// A check that cannot run on this machine: one line on stdout, and one line in the suite's
+/// list of skipped checks (the file `$TANDEM_SKIPS_FILE`, which `make unit` prints at the
+/// end), so that a skip never reads as a pass.
+pub fn skipped(check: &str, why: &str) {
+    let line = format!("skipped: {check}: {why}");
+    println!("{line}");
+    if let Some(path) = std::env::var_os("TANDEM_SKIPS_FILE") {
+        use std::io::Write;
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| writeln!(f, "{line}"));
+        if let Err(e) = written {
+            panic!("{line}; and it could not be listed in {path:?}: {e}");
+        }
+    }
+}
+
 /// Two network namespaces, `decode` and `prefill`, joined by a veth pair that carries the
 /// KV traffic (`decode_kv` ↔ `prefill_kv`), plus one veth pair from this namespace to each
 /// for HTTP (`decode_http`, `prefill_http`). Names and addresses are unique per process
