@@ -12,11 +12,16 @@
 //! `TANDEM_FAULTS_REPS=3` and prints the table for BENCHMARKS.md.
 
 mod common;
+#[path = "fault_matrix/harness.rs"]
+mod harness;
 
 use std::time::{Duration, Instant};
 
-use common::load::{Load, Monitor, Outcome, try_request};
-use common::{MODEL_NAME, NetPair, OtherModel, Server, find_sample, free_port};
+use common::load::try_request;
+use common::{MODEL_NAME, NetPair, OtherModel, Server, free_port};
+use harness::{
+    Pd, Row, Trial, inject, leaked, named, sample, spawn_decode, spawn_prefill, wait_counter,
+};
 use serde_json::json;
 
 /// Probe period and failure threshold of every pair here: not-ready within 1 s.
@@ -54,259 +59,127 @@ fn load_body() -> String {
     .to_string()
 }
 
-/// One row of the table.
-#[derive(Debug, Default, Clone)]
-struct Row {
-    fault: String,
-    visible: Option<Duration>,
-    /// How it became visible first: `ready:<reason>`, `client:<code>`, `counter`.
-    seen_as: String,
-    healed: Option<Duration>,
-    errors: usize,
-    hung: usize,
-    leaked: f64,
-    log: String,
-    counter: String,
-    note: String,
-}
+// ---- the faults ----------------------------------------------------------------------
 
-/// A prefill and its decode, restartable in place (same KV port, same HTTP port).
-struct Pd {
-    prefill: Server,
-    decode: Server,
-    kv: u16,
-}
-
-fn spawn_prefill(kv: u16, extra: &[&str], env: &[(&str, &str)]) -> Server {
-    let kv = kv.to_string();
-    let mut args = vec!["--fault-injection"];
-    args.extend_from_slice(extra);
-    Server::spawn(&["--role", "prefill", "--kv-port", &kv], &args, env)
-}
-
-fn spawn_decode(port: Option<u16>, kv: u16, extra: &[&str], env: &[(&str, &str)]) -> Server {
-    let peer = format!("127.0.0.1:{kv}");
-    let mut args = vec!["--fault-injection"];
-    args.extend_from_slice(extra);
-    let role = ["--role", "decode", "--prefill", &peer];
-    match port {
-        Some(p) => Server::spawn_on(p, &role, &args, env),
-        None => Server::spawn(&role, &args, env),
-    }
+/// Which process of the pair names a fault (its log line and its counter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Decode,
+    Prefill,
 }
 
 impl Pd {
-    fn start(decode_extra: &[&str]) -> Self {
-        let kv = free_port();
-        let mut prefill = spawn_prefill(kv, &[], &env());
-        prefill.wait_ready();
-        let mut decode = spawn_decode(None, kv, decode_extra, &env());
-        decode.wait_ready();
-        Self {
-            prefill,
-            decode,
-            kv,
-        }
-    }
-
-    /// SIGKILL the prefill, start another on the same KV port (not waiting).
-    fn replace_prefill(&mut self, extra: &[&str], env: &[(&str, &str)]) {
-        let _ = self.prefill.child.kill();
-        let _ = self.prefill.child.wait();
-        self.prefill = spawn_prefill(self.kv, extra, env);
-    }
-}
-
-/// The load and the monitor on the process clients talk to, warmed up.
-struct Trial {
-    load: Load,
-    monitor: Monitor,
-}
-
-impl Trial {
-    fn begin(target: &Server) -> Self {
-        let monitor = Monitor::start(target.addr);
-        let load = Load::start(target.addr, 2, load_body());
-        let t = Instant::now();
-        while !load.since(t).iter().any(Outcome::ok) {
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "the load never succeeded"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Self { load, monitor }
-    }
-
-    /// Close the trial: `fault_at` when the fault began, `fault_end` when it ended (the
-    /// cause removed or the replacement started), `counter_moved` when the named counter
-    /// was first seen to move (if measured).
-    fn end(
-        self,
-        row: &mut Row,
-        fault_at: Instant,
-        fault_end: Instant,
-        counter_moved: Option<Instant>,
-    ) {
-        let not_ready = self.monitor.first_not_ready(fault_at);
-        // Healed: the first stretch of readiness after the fault ended that lasts (a stale
-        // "ready" before the fault shows is not healing), then a request started after its
-        // start succeeded.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let ready_at = loop {
-            if let Some(t) = self.monitor.stable_ready_since(fault_end, STABLE) {
-                break Some(t);
-            }
-            if Instant::now() > deadline {
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        if let Some(r) = ready_at {
-            let ok_after = loop {
-                let hit = self
-                    .load
-                    .since(r)
-                    .into_iter()
-                    .find(|o| o.ok() && o.started >= r);
-                if hit.is_some() || Instant::now() > deadline {
-                    break hit;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            };
-            // Healed when both hold: ready for good, and requests succeed again.
-            if let Some(ok) = ok_after {
-                row.healed = Some(r.max(ok.started).saturating_duration_since(fault_end));
-            }
-        }
-        let outcomes = self.load.stop();
-        let window: Vec<&Outcome> = outcomes.iter().filter(|o| o.ended >= fault_at).collect();
-        row.errors = window.iter().filter(|o| !o.ok()).count();
-        row.hung = outcomes.iter().filter(|o| o.hung).count();
-        let first_error = window
-            .iter()
-            .filter(|o| !o.ok())
-            .min_by_key(|o| o.ended)
-            .map(|o| (o.ended, format!("client:{}", o.code)));
-        let candidates = [
-            not_ready.map(|(t, r)| (t, format!("ready:{r}"))),
-            first_error,
-            counter_moved.map(|t| (t, "counter".to_owned())),
-        ];
-        if let Some((t, how)) = candidates.into_iter().flatten().min_by_key(|(t, _)| *t) {
-            row.visible = Some(t.saturating_duration_since(fault_at));
-            row.seen_as = how;
+    fn on(&self, side: Side) -> &Server {
+        match side {
+            Side::Decode => &self.decode,
+            Side::Prefill => &self.prefill,
         }
     }
 }
 
-/// A series' value, if the server answers and has it.
-fn sample(s: &Server, prefix: &str) -> Option<f64> {
-    let mut st = std::net::TcpStream::connect_timeout(&s.addr, Duration::from_millis(500)).ok()?;
-    drop(st.set_read_timeout(Some(Duration::from_secs(2))));
-    use std::io::{Read, Write};
-    write!(
-        st,
-        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut all = String::new();
-    let _ = st.read_to_string(&mut all);
-    find_sample(&all, prefix)
+/// What a fault's action tells the trial: when the fault began (when not at the action's
+/// start), when it ended, when its counter was first seen to move (when that is how it
+/// shows), and notes for the table.
+#[derive(Default)]
+struct Acted {
+    at: Option<Instant>,
+    end: Option<Instant>,
+    moved: Option<Instant>,
+    note: String,
 }
 
-/// Poll until the series exceeds `before`; when it did.
-fn wait_counter(s: &Server, prefix: &str, before: f64, limit: Duration) -> Option<Instant> {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if sample(s, prefix).is_some_and(|v| v > before) {
-            return Some(Instant::now());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    None
+/// The fault's counter, as its action may wait for it.
+struct Counter<'a> {
+    series: &'a str,
+    side: Side,
+    before: f64,
 }
 
-/// After the load stopped: KV blocks still used on the given servers once they had 10 s
-/// to release them (0 expected).
-fn leaked(servers: &[&Server]) -> f64 {
-    let mut left = 0.0;
-    for s in servers {
-        let t = Instant::now();
-        loop {
-            let used = sample(s, "tandem_kv_blocks_used ").unwrap_or(f64::NAN);
-            let held: f64 = s
-                .get("/metrics")
-                .body
-                .lines()
-                .filter(|l| l.starts_with("tandem_kv_transfer_blocks_held{"))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum();
-            if used == 0.0 && held == 0.0 {
-                break;
-            }
-            if t.elapsed() > Duration::from_secs(10) {
-                left += used + held;
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-    left
-}
-
-/// The fault was named: its log line is in `s`'s log and its counter moved.
-fn named(row: &mut Row, s: &Server, log_needles: &[&str], counter: &str, before: f64) {
-    row.log = log_needles[0].to_owned();
-    row.counter = counter.trim().to_owned();
-    let has_line = !s.log_lines(log_needles).is_empty();
-    let moved = sample(s, counter).is_some_and(|v| v > before);
-    if !has_line {
-        row.note.push_str(&format!("no log line {log_needles:?}; "));
-    }
-    if !moved {
-        row.note
-            .push_str(&format!("counter {counter:?} did not move; "));
+impl Counter<'_> {
+    /// Poll until the counter passes `before + at_least`; when it did.
+    fn moved(&self, pd: &Pd, at_least: f64, limit: Duration) -> Option<Instant> {
+        wait_counter(pd.on(self.side), self.series, self.before + at_least, limit)
     }
 }
 
-fn inject(s: &Server, query: &str) {
-    let r = common::request(s.addr, "POST", &format!("/debug/fault?{query}"), Some(""));
-    assert_eq!(r.status, 200, "{}", r.body);
+type Action = Box<dyn Fn(&mut Pd, &Counter<'_>) -> Acted>;
+
+/// One row of the matrix: a fault against a running pair under load, and how it must be
+/// named: `log` lines (all needles on one line) and `counter` on `side`.
+struct Fault {
+    name: String,
+    side: Side,
+    log: Vec<&'static str>,
+    counter: String,
+    /// A pair of its own, with these decode arguments (else the shared pair).
+    own_pair: Option<Vec<&'static str>>,
+    act: Action,
 }
 
-// ---- the faults ----------------------------------------------------------------------
+fn fault(
+    name: &str,
+    side: Side,
+    log: &[&'static str],
+    counter: &str,
+    act: impl Fn(&mut Pd, &Counter<'_>) -> Acted + 'static,
+) -> Fault {
+    Fault {
+        name: name.into(),
+        side,
+        log: log.to_vec(),
+        counter: format!("{counter} "),
+        own_pair: None,
+        act: Box::new(act),
+    }
+}
 
-fn loop_panic(pd: &mut Pd, side: &str) -> Row {
-    let (server, loop_name) = match side {
-        "decode" => (&pd.decode, "kv_peer_0"),
-        _ => (&pd.prefill, "kv_router"),
-    };
+/// Run one row: the load on the decode, the action, the trial's measures, the naming.
+fn run_fault(shared: &mut Pd, f: &Fault) -> Row {
+    let mut own = f.own_pair.as_ref().map(|args| Pd::start(args));
+    let pd = own.as_mut().unwrap_or(shared);
     let mut row = Row {
-        fault: format!("{side} KV loop panic"),
+        fault: f.name.clone(),
         ..Row::default()
     };
-    let counter = format!("tandem_kv_loop_restarts_total{{loop=\"{loop_name}\"}} ");
-    let before = sample(server, &counter).unwrap();
+    let before = sample(pd.on(f.side), &f.counter).unwrap_or(0.0);
     let trial = Trial::begin(&pd.decode);
-    let at = Instant::now();
-    inject(server, &format!("loop={loop_name}&fault=panic"));
-    let moved = wait_counter(server, &counter, before, Duration::from_secs(5));
-    trial.end(&mut row, at, Instant::now(), moved);
-    named(&mut row, server, &["KV loop panicked"], &counter, before);
+    let start = Instant::now();
+    let counter = Counter {
+        series: &f.counter,
+        side: f.side,
+        before,
+    };
+    let acted = (f.act)(pd, &counter);
+    let end = acted.end.unwrap_or_else(Instant::now);
+    trial.end(&mut row, acted.at.unwrap_or(start), end, acted.moved);
+    named(&mut row, pd.on(f.side), &f.log, &f.counter, before);
+    row.note.push_str(&acted.note);
     row.leaked = leaked(&[&pd.decode, &pd.prefill]);
     row
 }
 
-fn garbage(pd: &mut Pd) -> Row {
-    let mut row = Row {
-        fault: "garbage on the KV socket".into(),
-        ..Row::default()
+fn loop_panic(side: Side) -> Fault {
+    let (who, loop_name) = match side {
+        Side::Decode => ("decode", "kv_peer_0"),
+        Side::Prefill => ("prefill", "kv_router"),
     };
-    let counter = "tandem_kv_malformed_messages_total{kind=\"bad_magic\"} ";
-    let before = sample(&pd.prefill, counter).unwrap_or(0.0);
-    let trial = Trial::begin(&pd.decode);
-    let at = Instant::now();
+    let counter = format!("tandem_kv_loop_restarts_total{{loop=\"{loop_name}\"}}");
+    fault(
+        &format!("{who} KV loop panic"),
+        side,
+        &["KV loop panicked"],
+        &counter,
+        move |pd, c| {
+            inject(pd.on(side), &format!("loop={loop_name}&fault=panic"));
+            Acted {
+                moved: c.moved(pd, 0.0, Duration::from_secs(5)),
+                ..Acted::default()
+            }
+        },
+    )
+}
+
+fn garbage(pd: &mut Pd, c: &Counter<'_>) -> Acted {
     // ZeroMQ frames of junk, then raw bytes that are not even ZMTP.
     let ctx = zmq::Context::new();
     let s = ctx.socket(zmq::DEALER).unwrap();
@@ -324,208 +197,130 @@ fn garbage(pd: &mut Pd) -> Row {
         use std::io::Write;
         let _ = raw.write_all(&[0xAB; 4096]);
     }
-    let moved = wait_counter(&pd.prefill, counter, before, Duration::from_secs(5));
-    trial.end(&mut row, at, Instant::now(), moved);
-    named(
-        &mut row,
-        &pd.prefill,
-        &["malformed KV message dropped"],
-        counter,
-        before,
-    );
-    row.leaked = leaked(&[&pd.decode, &pd.prefill]);
-    row
+    Acted {
+        moved: c.moved(pd, 0.0, Duration::from_secs(5)),
+        ..Acted::default()
+    }
 }
 
-fn prefill_restart(pd: &mut Pd) -> Row {
-    let mut row = Row {
-        fault: "prefill restart (SIGKILL, new process)".into(),
-        ..Row::default()
-    };
-    let counter = "tandem_kv_peer_incarnation_changes_total ";
-    let before = sample(&pd.decode, counter).unwrap();
-    let trial = Trial::begin(&pd.decode);
-    let at = Instant::now();
+fn prefill_restart(pd: &mut Pd, c: &Counter<'_>) -> Acted {
     pd.replace_prefill(&[], &env());
     let end = Instant::now();
-    let moved = wait_counter(&pd.decode, counter, before, Duration::from_secs(60));
-    trial.end(&mut row, at, end, moved);
-    named(
-        &mut row,
-        &pd.decode,
-        &["prefill restarted"],
-        counter,
-        before,
-    );
-    row.leaked = leaked(&[&pd.decode, &pd.prefill]);
-    row
+    Acted {
+        end: Some(end),
+        moved: c.moved(pd, 0.0, Duration::from_secs(60)),
+        ..Acted::default()
+    }
 }
 
-fn decode_restart(pd: &mut Pd) -> Row {
-    let mut row = Row {
-        fault: "decode restart (SIGKILL, new process)".into(),
-        ..Row::default()
-    };
-    let counter = "tandem_kv_sessions_dropped_total{reason=\"expired\"} ";
-    let before = sample(&pd.prefill, counter).unwrap();
+fn decode_restart(pd: &mut Pd, c: &Counter<'_>) -> Acted {
     let port = pd.decode.addr.port();
-    let trial = Trial::begin(&pd.decode);
-    let at = Instant::now();
     let _ = pd.decode.child.kill();
     let _ = pd.decode.child.wait();
     std::thread::sleep(Duration::from_millis(200));
     pd.decode = spawn_decode(Some(port), pd.kv, &[], &env());
     let end = Instant::now();
-    let moved = wait_counter(&pd.prefill, counter, before, Duration::from_secs(30));
-    trial.end(&mut row, at, end, moved);
-    named(
-        &mut row,
-        &pd.prefill,
-        &["decode session dropped", "expired"],
-        counter,
-        before,
-    );
-    row.leaked = leaked(&[&pd.decode, &pd.prefill]);
-    row
+    Acted {
+        end: Some(end),
+        moved: c.moved(pd, 0.0, Duration::from_secs(30)),
+        ..Acted::default()
+    }
 }
 
-fn prefill_hang(pd: &mut Pd) -> Row {
-    let mut row = Row {
-        fault: "prefill hang (SIGSTOP 4 s, SIGCONT)".into(),
-        ..Row::default()
-    };
-    let counter = "tandem_kv_rooms_total{state=\"failed\",reason=\"kv_timeout\"} ";
-    let before = sample(&pd.decode, counter).unwrap();
-    let trial = Trial::begin(&pd.decode);
-    let at = Instant::now();
+/// The decode says why it is not ready (probe_timeout) and fails rooms that waited past the
+/// KV timeout; a hang shorter than that fails none.
+fn prefill_hang(pd: &mut Pd, _: &Counter<'_>) -> Acted {
     pd.prefill.signal("STOP");
     std::thread::sleep(Duration::from_secs(4));
     pd.prefill.signal("CONT");
-    let end = Instant::now();
-    trial.end(&mut row, at, end, None);
-    // The decode says why it was not ready (probe_timeout) and fails rooms that waited
-    // past the KV timeout; a hang shorter than that fails none.
-    named(
-        &mut row,
-        &pd.decode,
-        &["room failed", "kv_timeout"],
-        counter,
-        before,
-    );
-    row.leaked = leaked(&[&pd.decode, &pd.prefill]);
-    row
+    Acted::default()
 }
 
-/// Replace the prefill with one that the decode must refuse (or that refuses it), then
-/// with a good one again.
+/// Replace the prefill with one that the decode must refuse (or that refuses it), held a
+/// moment with the reason in `/ready`, then with a good one again.
 fn mismatch(
-    pd: &mut Pd,
     name: &str,
-    reason: &str,
-    log: &str,
-    extra: &[&str],
-    env: &[(&str, &str)],
-) -> Row {
-    let mut row = Row {
-        fault: name.into(),
-        ..Row::default()
-    };
-    let counter = format!("tandem_kv_handshakes_total{{result=\"{reason}\"}} ");
-    let before = sample(&pd.decode, &counter).unwrap();
-    let trial = Trial::begin(&pd.decode);
-    let at = Instant::now();
-    pd.replace_prefill(extra, env);
-    let moved = wait_counter(&pd.decode, &counter, before, Duration::from_secs(60));
-    // Held for a moment with the reason in /ready, then the group is made whole again.
-    let reason_seen = pd
-        .decode
-        .ready_body()
-        .get("reason")
-        .and_then(|r| r.as_str().map(str::to_owned));
-    if reason_seen.as_deref() != Some(reason) {
-        row.note.push_str(&format!(
-            "/ready reason {reason_seen:?}, expected {reason}; "
-        ));
-    }
-    pd.replace_prefill(&[], &self::env());
-    let end = Instant::now();
-    trial.end(&mut row, at, end, moved);
-    named(&mut row, &pd.decode, &[log, reason], &counter, before);
-    row.leaked = leaked(&[&pd.decode, &pd.prefill]);
-    row
+    reason: &'static str,
+    log: &'static str,
+    extra: Vec<String>,
+    over: &'static [(&'static str, &'static str)],
+) -> Fault {
+    let counter = format!("tandem_kv_handshakes_total{{result=\"{reason}\"}}");
+    fault(
+        name,
+        Side::Decode,
+        &[log, reason],
+        &counter,
+        move |pd, c| {
+            let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+            pd.replace_prefill(&extra, &with(over));
+            let moved = c.moved(pd, 0.0, Duration::from_secs(60));
+            let seen = pd
+                .decode
+                .ready_body()
+                .get("reason")
+                .and_then(|r| r.as_str().map(str::to_owned));
+            let mut note = String::new();
+            if seen.as_deref() != Some(reason) {
+                note = format!("/ready reason {seen:?}, expected {reason}; ");
+            }
+            pd.replace_prefill(&[], &env());
+            Acted {
+                end: Some(Instant::now()),
+                moved,
+                note,
+                ..Acted::default()
+            }
+        },
+    )
 }
 
-fn sigterm_prefill(pd: &mut Pd) -> Row {
-    let mut row = Row {
-        fault: "SIGTERM prefill (drain 2 s)".into(),
-        ..Row::default()
+/// SIGTERM one side (drain 2 s): it must exit 0 within 3 s; a new one takes its place.
+fn sigterm(side: Side) -> Fault {
+    let (name, log, counter) = match side {
+        Side::Prefill => (
+            "SIGTERM prefill (drain 2 s)",
+            "prefill is leaving",
+            "tandem_kv_peer_goodbyes_total".to_string(),
+        ),
+        Side::Decode => (
+            "SIGTERM decode (drain 2 s)",
+            "decode said goodbye",
+            "tandem_kv_sessions_dropped_total{reason=\"peer_shutdown\"}".to_string(),
+        ),
     };
-    let counter = "tandem_kv_peer_goodbyes_total ";
-    let before = sample(&pd.decode, counter).unwrap();
-    let trial = Trial::begin(&pd.decode);
-    let at = Instant::now();
-    let (took, st) = pd.prefill.sigterm_and_wait(Duration::from_secs(10));
-    if !st.success() || took > Duration::from_secs(3) {
-        row.note
-            .push_str(&format!("bad exit: prefill {st} after {took:?}; "));
-    }
-    pd.prefill = spawn_prefill(pd.kv, &[], &env());
-    let end = Instant::now();
-    trial.end(&mut row, at, end, None);
-    named(
-        &mut row,
-        &pd.decode,
-        &["prefill is leaving"],
-        counter,
-        before,
-    );
-    row.note
-        .push_str(&format!("exit 0 in {:.2} s; ", took.as_secs_f64()));
-    row.leaked = leaked(&[&pd.decode, &pd.prefill]);
-    row
+    // The prefill's goodbye is counted by the decode, the decode's by the prefill.
+    let named_on = match side {
+        Side::Prefill => Side::Decode,
+        Side::Decode => Side::Prefill,
+    };
+    fault(name, named_on, &[log], &counter, move |pd, _| {
+        let port = pd.decode.addr.port();
+        let target = match side {
+            Side::Prefill => &mut pd.prefill,
+            Side::Decode => &mut pd.decode,
+        };
+        let (took, st) = target.sigterm_and_wait(Duration::from_secs(10));
+        let mut note = String::new();
+        if !st.success() || took > Duration::from_secs(3) {
+            note = format!("bad exit: {st} after {took:?}; ");
+        }
+        match side {
+            Side::Prefill => pd.prefill = spawn_prefill(pd.kv, &[], &env()),
+            Side::Decode => pd.decode = spawn_decode(Some(port), pd.kv, &[], &env()),
+        }
+        note.push_str(&format!("exit 0 in {:.2} s; ", took.as_secs_f64()));
+        Acted {
+            end: Some(Instant::now()),
+            note,
+            ..Acted::default()
+        }
+    })
 }
 
-fn sigterm_decode(pd: &mut Pd) -> Row {
-    let mut row = Row {
-        fault: "SIGTERM decode (drain 2 s)".into(),
-        ..Row::default()
-    };
-    let counter = "tandem_kv_sessions_dropped_total{reason=\"peer_shutdown\"} ";
-    let before = sample(&pd.prefill, counter).unwrap();
-    let port = pd.decode.addr.port();
-    let trial = Trial::begin(&pd.decode);
-    let at = Instant::now();
-    let (took, st) = pd.decode.sigterm_and_wait(Duration::from_secs(10));
-    if !st.success() || took > Duration::from_secs(3) {
-        row.note
-            .push_str(&format!("bad exit: decode {st} after {took:?}; "));
-    }
-    pd.decode = spawn_decode(Some(port), pd.kv, &[], &env());
-    let end = Instant::now();
-    trial.end(&mut row, at, end, None);
-    named(
-        &mut row,
-        &pd.prefill,
-        &["decode said goodbye"],
-        counter,
-        before,
-    );
-    row.note
-        .push_str(&format!("exit 0 in {:.2} s; ", took.as_secs_f64()));
-    row.leaked = leaked(&[&pd.decode, &pd.prefill]);
-    row
-}
-
-fn slow_loris(pd: &mut Pd) -> Row {
-    let mut row = Row {
-        fault: "slow-loris HTTP clients (50, header timeout 2 s)".into(),
-        ..Row::default()
-    };
-    let counter = "tandem_http_connection_errors_total{kind=\"timeout\"} ";
-    let before = sample(&pd.decode, counter).unwrap();
-    let trial = Trial::begin(&pd.decode);
-    let at = Instant::now();
-    // Each sends a request head one byte at a time, a byte per 500 ms, and never ends it.
+/// 50 clients each sending a request head one byte per 500 ms, never ending it: the header
+/// timeout (2 s) cuts them; that timeout is the mechanism, so it is when they show.
+fn slow_loris(pd: &mut Pd, c: &Counter<'_>) -> Acted {
     let addr = pd.decode.addr;
     let loris: Vec<_> = (0..50)
         .map(|_| {
@@ -544,32 +339,19 @@ fn slow_loris(pd: &mut Pd) -> Row {
             })
         })
         .collect();
-    let moved = wait_counter(&pd.decode, counter, before + 49.0, Duration::from_secs(20));
+    let moved = c.moved(pd, 49.0, Duration::from_secs(20));
     for l in loris {
         let _ = l.join();
     }
-    trial.end(&mut row, at, Instant::now(), moved);
-    named(
-        &mut row,
-        &pd.decode,
-        &["connection ended with a protocol error", "timeout"],
-        counter,
-        before,
-    );
-    row.note
-        .push_str("seen when the header timeout (2 s) cuts them; ");
-    row.leaked = leaked(&[&pd.decode, &pd.prefill]);
-    row
+    Acted {
+        moved,
+        note: "seen when the header timeout (2 s) cuts them; ".into(),
+        ..Acted::default()
+    }
 }
 
-fn disconnect_storm(pd: &mut Pd) -> Row {
-    let mut row = Row {
-        fault: "disconnect storm (200 streams dropped)".into(),
-        ..Row::default()
-    };
-    let counter = "tandem_request_failures_total{reason=\"client_disconnected\"} ";
-    let before = sample(&pd.decode, counter).unwrap();
-    let trial = Trial::begin(&pd.decode);
+/// 200 streams opened, then dropped at once: the fault is the disconnect.
+fn disconnect_storm(pd: &mut Pd, c: &Counter<'_>) -> Acted {
     let addr = pd.decode.addr;
     let streams: Vec<std::net::TcpStream> = (0..200)
         .filter_map(|i| {
@@ -588,28 +370,20 @@ fn disconnect_storm(pd: &mut Pd) -> Row {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(1500));
-    // The fault is the disconnect: measured from here.
     let at = Instant::now();
     drop(streams);
     let end = Instant::now();
-    let moved = wait_counter(&pd.decode, counter, before, Duration::from_secs(20));
-    trial.end(&mut row, at, end, moved);
-    named(&mut row, &pd.decode, &["request aborted"], counter, before);
-    row.leaked = leaked(&[&pd.decode, &pd.prefill]);
-    row
+    Acted {
+        at: Some(at),
+        end: Some(end),
+        moved: c.moved(pd, 0.0, Duration::from_secs(20)),
+        ..Acted::default()
+    }
 }
 
-fn kv_memory_exhausted() -> Row {
-    let mut row = Row {
-        fault: "KV memory exhausted (decode, 24 blocks)".into(),
-        ..Row::default()
-    };
-    let pd = Pd::start(&["--kv-blocks", "24", "--queue-timeout-seconds", "1"]);
-    let counter = "tandem_request_failures_total{reason=\"queue_timeout\"} ";
-    let before = sample(&pd.decode, counter).unwrap();
-    let trial = Trial::begin(&pd.decode);
-    let at = Instant::now();
-    // Requests holding 7 of the 24 blocks each, 8 at once, for 3 s.
+/// On a pair of its own with 24 KV blocks and a 1 s queue timeout: 8 clients at once
+/// holding 7 blocks each, for 3 s.
+fn kv_memory_exhausted(pd: &mut Pd, c: &Counter<'_>) -> Acted {
     let addr = pd.decode.addr;
     let hogs: Vec<_> = (0..8)
         .map(|i| {
@@ -628,20 +402,103 @@ fn kv_memory_exhausted() -> Row {
         let _ = h.join();
     }
     let end = Instant::now();
-    let moved = wait_counter(&pd.decode, counter, before, Duration::from_secs(10));
-    trial.end(&mut row, at, end, moved);
-    named(
-        &mut row,
-        &pd.decode,
+    Acted {
+        end: Some(end),
+        moved: c.moved(pd, 0.0, Duration::from_secs(10)),
+        note: "seen when the queue timeout (1 s) ends the first wait; tandem_requests_waiting shows the queue at once; ".into(),
+        ..Acted::default()
+    }
+}
+
+/// Every fault against a pair, in the order they run (the shared pair goes through all
+/// of them, so later rows also show that earlier ones healed).
+fn faults(other_model: &str) -> Vec<Fault> {
+    use Side::{Decode, Prefill};
+    let mut kv_memory = fault(
+        "KV memory exhausted (decode, 24 blocks)",
+        Decode,
         &["generation failed", "queue_timeout"],
-        counter,
-        before,
+        "tandem_request_failures_total{reason=\"queue_timeout\"}",
+        kv_memory_exhausted,
     );
-    row.note.push_str(
-        "seen when the queue timeout (1 s) ends the first wait; tandem_requests_waiting shows the queue at once; ",
-    );
-    row.leaked = leaked(&[&pd.decode, &pd.prefill]);
-    row
+    kv_memory.own_pair = Some(vec!["--kv-blocks", "24", "--queue-timeout-seconds", "1"]);
+    vec![
+        loop_panic(Decode),
+        loop_panic(Prefill),
+        fault(
+            "garbage on the KV socket",
+            Prefill,
+            &["malformed KV message dropped"],
+            "tandem_kv_malformed_messages_total{kind=\"bad_magic\"}",
+            garbage,
+        ),
+        fault(
+            "prefill hang (SIGSTOP 4 s, SIGCONT)",
+            Decode,
+            &["room failed", "kv_timeout"],
+            "tandem_kv_rooms_total{state=\"failed\",reason=\"kv_timeout\"}",
+            prefill_hang,
+        ),
+        fault(
+            "prefill restart (SIGKILL, new process)",
+            Decode,
+            &["prefill restarted"],
+            "tandem_kv_peer_incarnation_changes_total",
+            prefill_restart,
+        ),
+        mismatch(
+            "group key mismatch",
+            "auth_failed",
+            "refusing the prefill",
+            vec![],
+            &[("TANDEM_GROUP_KEY", "another-key")],
+        ),
+        mismatch(
+            "KV layout mismatch (q8_0 vs f16)",
+            "layout_mismatch",
+            "prefill refused us",
+            vec!["--kv-dtype".into(), "q8_0".into()],
+            &[],
+        ),
+        mismatch(
+            "model mismatch",
+            "model_mismatch",
+            "prefill refused us",
+            vec!["--model".into(), other_model.into()],
+            &[],
+        ),
+        mismatch(
+            "stale group incarnation (8 vs 7)",
+            "incarnation_mismatch",
+            "prefill refused us",
+            vec![],
+            &[("TANDEM_GROUP_INCARNATION", "8")],
+        ),
+        sigterm(Prefill),
+        fault(
+            "decode restart (SIGKILL, new process)",
+            Prefill,
+            &["decode session dropped", "expired"],
+            "tandem_kv_sessions_dropped_total{reason=\"expired\"}",
+            decode_restart,
+        ),
+        sigterm(Decode),
+        fault(
+            "slow-loris HTTP clients (50, header timeout 2 s)",
+            Decode,
+            &["connection ended with a protocol error", "timeout"],
+            "tandem_http_connection_errors_total{kind=\"timeout\"}",
+            slow_loris,
+        ),
+        fault(
+            "disconnect storm (200 streams dropped)",
+            Decode,
+            &["request aborted"],
+            "tandem_request_failures_total{reason=\"client_disconnected\"}",
+            disconnect_storm,
+        ),
+        kv_memory,
+    ]
 }
 
 fn sigterm_both() -> Row {
@@ -728,57 +585,18 @@ fn partition() -> Row {
 // ---- the run -------------------------------------------------------------------------
 
 fn run_once() -> Vec<Row> {
-    let mut rows = Vec::new();
-    let mut pd = Pd::start(&["--http-header-timeout-seconds", "2"]);
-    rows.push(loop_panic(&mut pd, "decode"));
-    rows.push(loop_panic(&mut pd, "prefill"));
-    rows.push(garbage(&mut pd));
-    rows.push(prefill_hang(&mut pd));
-    rows.push(prefill_restart(&mut pd));
-    rows.push(mismatch(
-        &mut pd,
-        "group key mismatch",
-        "auth_failed",
-        "refusing the prefill",
-        &[],
-        &with(&[("TANDEM_GROUP_KEY", "another-key")]),
-    ));
-    rows.push(mismatch(
-        &mut pd,
-        "KV layout mismatch (q8_0 vs f16)",
-        "layout_mismatch",
-        "prefill refused us",
-        &["--kv-dtype", "q8_0"],
-        &env(),
-    ));
     let other = OtherModel::new();
-    rows.push(mismatch(
-        &mut pd,
-        "model mismatch",
-        "model_mismatch",
-        "prefill refused us",
-        &["--model", other.path()],
-        &env(),
-    ));
-    drop(other);
-    rows.push(mismatch(
-        &mut pd,
-        "stale group incarnation (8 vs 7)",
-        "incarnation_mismatch",
-        "prefill refused us",
-        &[],
-        &with(&[("TANDEM_GROUP_INCARNATION", "8")]),
-    ));
-    rows.push(sigterm_prefill(&mut pd));
-    rows.push(decode_restart(&mut pd));
-    rows.push(sigterm_decode(&mut pd));
-    // The decode was restarted without the short header timeout; give it back.
-    pd.decode = spawn_decode(None, pd.kv, &["--http-header-timeout-seconds", "2"], &env());
-    pd.decode.wait_ready();
-    rows.push(slow_loris(&mut pd));
-    rows.push(disconnect_storm(&mut pd));
+    let mut pd = Pd::start(&["--http-header-timeout-seconds", "2"]);
+    let mut rows = Vec::new();
+    for f in faults(other.path()) {
+        if f.name.starts_with("slow-loris") {
+            // The decode was restarted without the short header timeout; give it back.
+            pd.decode = spawn_decode(None, pd.kv, &["--http-header-timeout-seconds", "2"], &env());
+            pd.decode.wait_ready();
+        }
+        rows.push(run_fault(&mut pd, &f));
+    }
     drop(pd);
-    rows.push(kv_memory_exhausted());
     rows.push(sigterm_both());
     rows.push(partition());
     rows
