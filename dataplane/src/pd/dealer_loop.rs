@@ -214,6 +214,12 @@ impl DealerLoop {
             kv,
         }) = self.rx.try_recv()
         {
+            if self.rooms.contains_key(&room) {
+                // Ids are random 64-bit: a collision is a bug. The new request's handles
+                // are dropped, so it hears that the loop dropped its room.
+                tracing::error!(room, "room id collision");
+                continue;
+            }
             self.rooms.insert(
                 room,
                 RoomIo {
@@ -223,6 +229,10 @@ impl DealerLoop {
                 },
             );
             self.event(DecodeEvent::Open { room, req });
+            // A room the session did not take (an id it has seen end) is dropped here too.
+            if !self.session.has_room(room) {
+                self.rooms.remove(&room);
+            }
         }
     }
 
