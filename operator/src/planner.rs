@@ -89,6 +89,9 @@ pub struct ObservedPod {
     /// Why the pod is not running yet, when the scheduler or the kubelet said why
     /// (`Unschedulable: …`, `ImagePullBackOff: …`, `CreateContainerConfigError: …`).
     pub waiting: Option<String>,
+    /// How an ended member ended, when its executor knows (`OOMKilled, exit code 137` from
+    /// the kubelet's container status; `killed by SIGKILL` from the local runtime).
+    pub exit: Option<String>,
     /// Why a started, running, not-ready decode pod is not ready, as its `/ready` body
     /// says; `None` for every other pod. The executors read it (the controller over HTTP,
     /// the local runtime from its own probes); the planner only reports it.
@@ -663,7 +666,16 @@ fn find_trigger(ctx: &Ctx<'_>, mem: &GroupStatus, pods: &[&ObservedPod]) -> Opti
     {
         return Some(Trigger {
             reason: CoRestartReason::MemberFailed,
-            detail: format!("{} pod {} exited ({:?})", p.role.as_str(), p.name, p.phase),
+            detail: format!(
+                "{} pod {} exited ({:?}{})",
+                p.role.as_str(),
+                p.name,
+                p.phase,
+                p.exit
+                    .as_deref()
+                    .map(|e| format!(": {e}"))
+                    .unwrap_or_default()
+            ),
         });
     }
     if let Some(p) = current.iter().find(|p| p.terminating) {

@@ -513,6 +513,11 @@ pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
             subdomain,
             node_selector: (!tpl.node_selector.is_empty()).then(|| tpl.node_selector.clone()),
             tolerations: (!tpl.tolerations.is_empty()).then(|| tpl.tolerations.clone()),
+            affinity: tpl.affinity.clone(),
+            topology_spread_constraints: (!tpl.topology_spread_constraints.is_empty())
+                .then(|| tpl.topology_spread_constraints.clone()),
+            priority_class_name: tpl.priority_class_name.clone(),
+            scheduler_name: tpl.scheduler_name.clone(),
             service_account_name: tpl.service_account_name.clone(),
             automount_service_account_token: Some(
                 tpl.automount_service_account_token.unwrap_or(false),
@@ -931,6 +936,51 @@ mod tests {
         let pod = pod(&p, &i).unwrap();
         let c = &pod.spec.unwrap().containers[0];
         assert_eq!(c.image.as_deref(), Some("tandem:old"));
+    }
+
+    #[test]
+    fn scheduling_fields_of_the_template_reach_the_pod() {
+        use k8s_openapi::api::core::v1::{
+            Affinity, PodAffinity, PodAffinityTerm, TopologySpreadConstraint,
+        };
+        let mut spec = crate::testutil::spec(1);
+        let term = PodAffinityTerm {
+            topology_key: "topology.kubernetes.io/zone".into(),
+            match_label_keys: Some(vec![labels::GROUP.into()]),
+            ..Default::default()
+        };
+        spec.decode.template.affinity = Some(Affinity {
+            pod_affinity: Some(PodAffinity {
+                required_during_scheduling_ignored_during_execution: Some(vec![term]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        spec.decode.template.topology_spread_constraints = vec![TopologySpreadConstraint {
+            max_skew: 1,
+            topology_key: "kubernetes.io/hostname".into(),
+            when_unsatisfiable: "ScheduleAnyway".into(),
+            ..Default::default()
+        }];
+        spec.decode.template.priority_class_name = Some("serving".into());
+        spec.decode.template.scheduler_name = Some("packer".into());
+        let p = pdd(spec);
+        let decode = pod(&p, &intent(&p, Role::Decode, 0)).unwrap();
+        let s = decode.spec.unwrap();
+        assert_eq!(s.affinity, p.spec.decode.template.affinity);
+        assert_eq!(
+            s.topology_spread_constraints.as_deref(),
+            Some(&p.spec.decode.template.topology_spread_constraints[..])
+        );
+        assert_eq!(s.priority_class_name.as_deref(), Some("serving"));
+        assert_eq!(s.scheduler_name.as_deref(), Some("packer"));
+        // The prefill's template sets none of them: the pod leaves them to the cluster.
+        let prefill = pod(&p, &intent(&p, Role::Prefill, 0))
+            .unwrap()
+            .spec
+            .unwrap();
+        assert!(prefill.affinity.is_none() && prefill.topology_spread_constraints.is_none());
+        assert!(prefill.priority_class_name.is_none() && prefill.scheduler_name.is_none());
     }
 
     #[test]

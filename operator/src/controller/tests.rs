@@ -10,7 +10,8 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use http::{Method, Request, Response, StatusCode};
 use k8s_openapi::api::core::v1::{
-    ContainerState, ContainerStateWaiting, ContainerStatus, Pod, PodCondition, PodStatus,
+    ContainerState, ContainerStateTerminated, ContainerStateWaiting, ContainerStatus, Pod,
+    PodCondition, PodStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::SignedDuration;
@@ -1279,6 +1280,33 @@ fn why_a_pod_does_not_run_is_read_from_the_scheduler_and_the_kubelet() {
         None,
         "the normal wait says nothing"
     );
+}
+
+#[test]
+fn an_ended_container_tells_how_it_ended() {
+    let ended = |reason: Option<&str>, code: i32| {
+        let mut pod = member(Role::Decode, 1, "Failed", false, None);
+        pod.status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
+            name: "dataplane".into(),
+            state: Some(ContainerState {
+                terminated: Some(ContainerStateTerminated {
+                    reason: reason.map(Into::into),
+                    exit_code: code,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }]);
+        observe_pod(&pod).unwrap().exit
+    };
+    assert_eq!(
+        ended(Some("OOMKilled"), 137).as_deref(),
+        Some("OOMKilled, exit code 137")
+    );
+    assert_eq!(ended(None, 1).as_deref(), Some("exit code 1"));
+    let running = member(Role::Decode, 1, "Running", true, None);
+    assert_eq!(observe_pod(&running).unwrap().exit, None);
 }
 
 #[test]

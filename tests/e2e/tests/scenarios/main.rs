@@ -1,10 +1,12 @@
-//! The end-to-end scenarios against a real control plane (see `tandem_e2e` for what is
-//! real). One environment is started for the whole run; scenarios run one after another,
-//! each in its own namespace with its own operator replica(s).
+//! The end-to-end scenarios on a real cluster (see `tandem_e2e` for what is real). One
+//! environment is started for the whole run, with Tandem installed by `helm install`;
+//! scenarios run one after another, each in its own namespace, all served by the chart's
+//! operator.
 //!
 //! `cargo test -p tandem-e2e --test scenarios -- [FILTER…]` runs the scenarios whose name
-//! contains any FILTER (all without one). Logs: `target/e2e/` (control plane, operator,
-//! one file per pod, the harness's own log).
+//! contains any FILTER (all without one). Logs: `target/e2e/` (`logs/`: control plane,
+//! nodes; `nodes/<node>/pod-logs/`: every container, the operator's included; the
+//! harness's own log).
 
 mod common;
 mod s01_example;
@@ -17,6 +19,15 @@ mod s07_delete_recreate;
 mod s08_leader;
 mod s09_manifests_rbac;
 mod s10_validation;
+mod s11_prefill_killed;
+mod s12_network_policy;
+mod s13_partition;
+mod s14_sigterm;
+mod s15_slow_load;
+mod s16_oom_killed;
+mod s17_placement;
+mod s18_helm_upgrade;
+mod s19_helm_uninstall;
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -55,11 +66,41 @@ const SCENARIOS: &[(&str, Duration, ScenarioFn)] = &[
     ("s08_leader_election", Duration::from_secs(300), |e| {
         Box::pin(s08_leader::run(e))
     }),
+    ("s10_validation", Duration::from_secs(120), |e| {
+        Box::pin(s10_validation::run(e))
+    }),
+    ("s11_prefill_killed", Duration::from_secs(300), |e| {
+        Box::pin(s11_prefill_killed::run(e))
+    }),
+    ("s12_network_policy", Duration::from_secs(300), |e| {
+        Box::pin(s12_network_policy::run(e))
+    }),
+    ("s13_partition", Duration::from_secs(240), |e| {
+        Box::pin(s13_partition::run(e))
+    }),
+    ("s14_sigterm", Duration::from_secs(300), |e| {
+        Box::pin(s14_sigterm::run(e))
+    }),
+    ("s15_slow_load", Duration::from_secs(600), |e| {
+        Box::pin(s15_slow_load::run(e))
+    }),
+    ("s16_oom_killed", Duration::from_secs(360), |e| {
+        Box::pin(s16_oom_killed::run(e))
+    }),
+    ("s17_placement", Duration::from_secs(300), |e| {
+        Box::pin(s17_placement::run(e))
+    }),
+    // After every scenario the chart's operator served before the upgrade replaces it:
+    // its replicas' logs are still on the nodes.
     ("s09_manifests_rbac", Duration::from_secs(180), |e| {
         Box::pin(s09_manifests_rbac::run(e))
     }),
-    ("s10_validation", Duration::from_secs(120), |e| {
-        Box::pin(s10_validation::run(e))
+    ("s18_helm_upgrade", Duration::from_secs(600), |e| {
+        Box::pin(s18_helm_upgrade::run(e))
+    }),
+    // Last: it removes the operator.
+    ("s19_helm_uninstall", Duration::from_secs(300), |e| {
+        Box::pin(s19_helm_uninstall::run(e))
     }),
 ];
 
@@ -72,7 +113,14 @@ fn main() -> ExitCode {
         .iter()
         .filter(|(name, _, _)| filters.is_empty() || filters.iter().any(|f| name.contains(f)))
         .collect();
-    tandem_e2e::proc::set_pod_exec_binary(env!("CARGO_BIN_EXE_e2e-pod-exec").into());
+    let exec = std::path::PathBuf::from(env!("CARGO_BIN_EXE_e2e-exec"));
+    // First of all: into the run's own network, mount and PID namespaces (re-executes
+    // this program there).
+    if let Err(e) = tandem_e2e::sandbox::enter(&exec) {
+        println!("e2e: cannot enter the run's namespaces: {e:#}");
+        return ExitCode::FAILURE;
+    }
+    tandem_e2e::proc::set_exec_binary(exec);
     let run_dir = tandem_e2e::repo_root().join("target/e2e");
     // Root may own leftovers of a killed run; the logs of the last run are replaced.
     let _ = std::fs::remove_dir_all(&run_dir);
@@ -101,9 +149,9 @@ fn main() -> ExitCode {
             }
         };
         println!(
-            "environment up in {:.1}s (operator RBAC from {})",
+            "environment up in {:.1}s: 2 nodes Ready, Tandem installed by helm in {:.1}s",
             started.elapsed().as_secs_f64(),
-            env.rbac_source
+            env.install_took.as_secs_f64()
         );
         let (mut passed, mut failed) = (0, 0);
         for (name, limit, body) in &selected {
