@@ -104,6 +104,17 @@ const SCENARIOS: &[(&str, Duration, ScenarioFn)] = &[
     }),
 ];
 
+/// After a failed scenario: its PDDeployments go (the pods with them), so that what it
+/// left running does not take part in the next scenarios (scenario `sNN_…` uses namespace
+/// `sNN`; the first one cleans `default` itself).
+async fn remove_leftovers(env: &Env, scenario: &str) {
+    let ns = scenario.split('_').next().unwrap_or(scenario);
+    let _ = env
+        .kubectl
+        .run(&["delete", "pdd", "--all", "-n", ns, "--wait=false"])
+        .await;
+}
+
 fn main() -> ExitCode {
     let filters: Vec<String> = std::env::args()
         .skip(1)
@@ -159,6 +170,9 @@ fn main() -> ExitCode {
             let guarded = AssertUnwindSafe(body(&env)).catch_unwind();
             let outcome = tokio::time::timeout(*limit, guarded).await;
             let secs = t.elapsed().as_secs_f64();
+            if !matches!(outcome, Ok(Ok(Ok(())))) {
+                remove_leftovers(&env, name).await;
+            }
             match outcome {
                 Ok(Ok(Ok(()))) => {
                     passed += 1;
