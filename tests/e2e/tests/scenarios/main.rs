@@ -104,6 +104,13 @@ const SCENARIOS: &[(&str, Duration, ScenarioFn)] = &[
     }),
 ];
 
+/// `/proc/loadavg`'s first three fields: timings mean little on a loaded machine.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
 /// After a failed scenario: its PDDeployments go (the pods with them), so that what it
 /// left running does not take part in the next scenarios (scenario `sNN_…` uses namespace
 /// `sNN`; the first one cleans `default` itself).
@@ -136,6 +143,9 @@ fn main() -> ExitCode {
     // Root may own leftovers of a killed run; the logs of the last run are replaced.
     let _ = std::fs::remove_dir_all(&run_dir);
     let _ = std::fs::create_dir_all(&run_dir);
+    // No symlink in the paths the kubelet and containerd mount under (CI links target/ to
+    // a cache directory): mount tables name resolved paths.
+    let run_dir = run_dir.canonicalize().unwrap_or(run_dir);
     common::init_logging(&run_dir);
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -160,9 +170,10 @@ fn main() -> ExitCode {
             }
         };
         println!(
-            "environment up in {:.1}s: 2 nodes Ready, Tandem installed by helm in {:.1}s",
+            "environment up in {:.1}s: 2 nodes Ready, Tandem installed by helm in {:.1}s (load average {})",
             started.elapsed().as_secs_f64(),
-            env.install_took.as_secs_f64()
+            env.install_took.as_secs_f64(),
+            load_average()
         );
         let (mut passed, mut failed) = (0, 0);
         for (name, limit, body) in &selected {
@@ -199,8 +210,9 @@ fn main() -> ExitCode {
         }
         env.stop().await;
         println!(
-            "e2e total {:.1}s; logs in {}",
+            "e2e total {:.1}s (load average {}); logs in {}",
             started.elapsed().as_secs_f64(),
+            load_average(),
             run_dir.display()
         );
         println!("{passed} passed, {failed} failed");

@@ -62,6 +62,33 @@ pub async fn run(env: &Env) -> Result<()> {
         a.name_any()
     );
     let standby_reconciles = reconciles(&b).await;
+    // What the chart promised: a PodDisruptionBudget keeping one replica through voluntary
+    // disruptions, and probes the kubelet runs (both replicas Ready through /ready).
+    let pdb = env
+        .kubectl
+        .json(&[
+            "get",
+            "pdb",
+            operator::DEPLOYMENT,
+            "-n",
+            operator::OPERATOR_NAMESPACE,
+        ])
+        .await?;
+    ensure!(
+        pdb["status"]["currentHealthy"] == 2 && pdb["status"]["disruptionsAllowed"] == 1,
+        "the operator's PodDisruptionBudget: {}",
+        pdb["status"]
+    );
+    for p in [&a, &b] {
+        let c = &p.spec.as_ref().context("pod spec")?.containers[0];
+        ensure!(
+            c.liveness_probe.is_some()
+                && c.readiness_probe.is_some()
+                && pod_condition(p, "Ready").as_deref() == Some("True"),
+            "operator pod {} lacks its probes or is not Ready",
+            p.name_any()
+        );
+    }
 
     env.kubectl.apply(ns, &yaml(&spec(name, 1))).await?;
     wait_ready(env, ns, name, 1, Duration::from_secs(180)).await?;

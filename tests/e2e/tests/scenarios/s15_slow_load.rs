@@ -17,9 +17,11 @@ use crate::common::*;
 /// How long the liveness probe alone would let a silent container live:
 /// failureThreshold 3 × periodSeconds 10 (operator/src/resources.rs).
 const LIVENESS_WINDOW: Duration = Duration::from_secs(30);
-/// The prefill's CPU limit: loading SmolLM2-135M takes about a CPU-second here, so the
-/// quota stretches it to a minute or more.
-const CPU_LIMIT: &str = "15m";
+/// The prefill's CPU limit, the smallest CFS quota there is (1 ms per 100 ms period):
+/// loading SmolLM2-135M from the debug-profile image takes ~0.75 CPU-seconds, so the load
+/// stretches to over a minute here (50 s at 15m), twice the liveness window, with room for
+/// a faster CPU.
+const CPU_LIMIT: &str = "10m";
 
 pub async fn run(env: &Env) -> Result<()> {
     let (ns, name) = ("s15", "pd");
