@@ -418,6 +418,21 @@ spec:
         out
     }
 
+    /// After a failed start: whatever the nodes had started (containers, shims) is killed by
+    /// its PID from the run's cgroups, their mounts undone, the cgroups removed. The
+    /// processes the harness started itself were killed when their handles were dropped.
+    pub async fn clean_up_failed_start(run_dir: &Path) {
+        if let Err(e) = cgroup::kill_all(cgroup::TOP, Duration::from_secs(20)).await {
+            warn!("killing what the nodes started: {e:#}");
+        }
+        for dir in [run_dir, Path::new("/run/tandem-e2e")] {
+            let _ = crate::mounts::unmount_below(dir);
+        }
+        if let Err(e) = cgroup::remove(cgroup::TOP) {
+            warn!("removing the run's cgroups: {e:#}");
+        }
+    }
+
     /// Tear everything down: the nodes (every process by PID, mounts, cgroups), DNS, the
     /// control plane. The run's namespaces go with the suite's PID 1.
     pub async fn stop(mut self) {

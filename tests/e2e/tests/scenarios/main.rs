@@ -163,6 +163,7 @@ fn main() -> ExitCode {
         let env = match Env::start(&run_dir).await {
             Ok(e) => e,
             Err(e) => {
+                Env::clean_up_failed_start(&run_dir).await;
                 println!("e2e environment failed to start: {e:#}");
                 println!("logs: {}", run_dir.display());
                 println!("0 passed, {} failed", selected.len());
