@@ -17,7 +17,7 @@ export IMAGE_REGISTRY ?= ghcr.io/tandem
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
 ## the Helm chart and manifests, the images (built without a daemon), the end-to-end suite
 ## on a real cluster). e2e-deps comes first: the Go build of the Kubernetes components
-## peaks at ~4 GB of caches, removed before the Rust builds fill target/.
+## peaks at ~5 GB of caches, removed before the Rust builds fill target/.
 test: e2e-deps lint crd-check pyenv model unit validate-crd chart-check image-check cuda-check e2e
 
 # Without rustfmt or clippy (a toolchain lacking the component) the rest of `make test`

@@ -66,17 +66,24 @@ pub async fn run(env: &Env) -> Result<()> {
     )
     .await?;
     println!("    event: MemberFailed {note}");
-    let p = get_pdd(env, ns, name).await?;
-    let g = p
-        .status
-        .as_ref()
-        .and_then(|s| s.group_statuses.first().cloned())
-        .context("group status")?;
-    ensure!(
-        g.last_co_restart.as_ref().map(|r| r.reason.as_str()) == Some("MemberFailed"),
-        "last co-restart: {:?}",
-        g.last_co_restart
-    );
+    // The status records the co-restart too (written after the Event, in the same
+    // reconcile or the next).
+    wait::until(
+        "the group status to name the MemberFailed co-restart",
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let p = get_pdd(env, ns, name).await?;
+            let g = p
+                .status
+                .as_ref()
+                .and_then(|s| s.group_statuses.first().cloned());
+            Ok(g.and_then(|g| g.last_co_restart)
+                .filter(|r| r.reason.as_str() == "MemberFailed")
+                .map(|_| ()))
+        },
+    )
+    .await?;
 
     // Enough memory: the next revision serves.
     let fix = json!({"spec": {"decode": {"template": {"resources":
