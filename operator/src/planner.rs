@@ -69,6 +69,9 @@ pub struct ObservedPod {
     /// Why the pod is not running yet, when the scheduler or the kubelet said why
     /// (`Unschedulable: …`, `ImagePullBackOff: …`, `CreateContainerConfigError: …`).
     pub waiting: Option<String>,
+    /// How an ended member ended, when its executor knows (`OOMKilled, exit code 137` from
+    /// the kubelet's container status; `killed by SIGKILL` from the local runtime).
+    pub exit: Option<String>,
     /// Why a started, running, not-ready decode pod is not ready, as its `/ready` body
     /// says; `None` for every other pod. The executors read it (the controller over HTTP,
     /// the local runtime from its own probes); the planner only reports it.

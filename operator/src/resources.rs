@@ -471,6 +471,11 @@ pub fn pod(pdd: &PDDeployment, intent: &PodIntent) -> Result<Pod, BuildError> {
             subdomain,
             node_selector: (!tpl.node_selector.is_empty()).then(|| tpl.node_selector.clone()),
             tolerations: (!tpl.tolerations.is_empty()).then(|| tpl.tolerations.clone()),
+            affinity: tpl.affinity.clone(),
+            topology_spread_constraints: (!tpl.topology_spread_constraints.is_empty())
+                .then(|| tpl.topology_spread_constraints.clone()),
+            priority_class_name: tpl.priority_class_name.clone(),
+            scheduler_name: tpl.scheduler_name.clone(),
             service_account_name: tpl.service_account_name.clone(),
             automount_service_account_token: Some(
                 tpl.automount_service_account_token.unwrap_or(false),

@@ -62,6 +62,7 @@ pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
         group_ready_gate,
         deletion_deadline: pod.metadata.deletion_timestamp.as_ref().map(|t| t.0),
         waiting: waiting_reason(pod),
+        exit: exit_reason(pod),
         // Read from the pod itself over HTTP by `observe` (not from the API object).
         ready_detail: None,
     })
@@ -163,6 +164,26 @@ pub(super) fn readiness(
         }
         _ => (true, None),
     }
+}
+
+/// How the dataplane container ended, as the kubelet reports it (`OOMKilled, exit code
+/// 137`), once it has.
+fn exit_reason(pod: &Pod) -> Option<String> {
+    let t = pod
+        .status
+        .as_ref()?
+        .container_statuses
+        .iter()
+        .flatten()
+        .find(|c| c.name == resources::CONTAINER)?
+        .state
+        .as_ref()?
+        .terminated
+        .as_ref()?;
+    Some(match t.reason.as_deref() {
+        Some(r) if !r.is_empty() => format!("{r}, exit code {}", t.exit_code),
+        _ => format!("exit code {}", t.exit_code),
+    })
 }
 
 /// Why a pod does not run, when the scheduler or the kubelet said why.

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use http::StatusCode;
 use k8s_openapi::api::core::v1::{
-    ContainerState, ContainerStateWaiting, ContainerStatus, Pod, PodCondition,
+    ContainerState, ContainerStateTerminated, ContainerStateWaiting, ContainerStatus, Pod,
+    PodCondition,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::SignedDuration;
@@ -347,4 +348,31 @@ fn error_backoff_doubles_and_caps() {
     assert_eq!(backoff(2), Duration::from_secs(10));
     assert_eq!(backoff(7), Duration::from_secs(300));
     assert_eq!(backoff(u32::MAX), Duration::from_secs(300));
+}
+
+#[test]
+fn an_ended_container_tells_how_it_ended() {
+    let ended = |reason: Option<&str>, code: i32| {
+        let mut pod = member(Role::Decode, 1, "Failed", false, None);
+        pod.status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
+            name: "dataplane".into(),
+            state: Some(ContainerState {
+                terminated: Some(ContainerStateTerminated {
+                    reason: reason.map(Into::into),
+                    exit_code: code,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }]);
+        observe_pod(&pod).unwrap().exit
+    };
+    assert_eq!(
+        ended(Some("OOMKilled"), 137).as_deref(),
+        Some("OOMKilled, exit code 137")
+    );
+    assert_eq!(ended(None, 1).as_deref(), Some("exit code 1"));
+    let running = member(Role::Decode, 1, "Running", true, None);
+    assert_eq!(observe_pod(&running).unwrap().exit, None);
 }

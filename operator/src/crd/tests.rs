@@ -247,3 +247,49 @@ spec:
     assert_eq!(pdd.spec.restart.policy, RestartPolicy::CoRestartGroup);
     assert_eq!(pdd.spec.rollout.max_unavailable_groups, 1);
 }
+
+#[test]
+fn pod_spec_fields_are_schema_checked_and_the_crd_fits_client_side_apply() {
+    let v = serde_json::to_value(crd()).unwrap();
+    let compact = serde_json::to_string(&v).unwrap().len();
+    // `kubectl apply` (client side) keeps the object in a 256 kB annotation.
+    assert!(compact < 200_000, "the CRD is {compact} bytes of JSON");
+    let tpl = &v["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        ["decode"]["properties"]["template"]["properties"];
+    let affinity = &tpl["affinity"];
+    assert!(
+        affinity["description"]
+            .as_str()
+            .unwrap()
+            .contains("matchLabelKeys")
+    );
+    let term = &affinity["properties"]["podAffinity"]["properties"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["items"];
+    assert_eq!(term["properties"]["topologyKey"]["type"], "string");
+    assert!(
+        term["required"]
+            .as_array()
+            .unwrap()
+            .contains(&"topologyKey".into())
+    );
+    assert!(
+        term.get("description").is_none()
+            && term["properties"]["topologyKey"]
+                .get("description")
+                .is_none()
+    );
+    let spread = &tpl["topologySpreadConstraints"]["items"];
+    assert!(
+        spread["required"]
+            .as_array()
+            .unwrap()
+            .contains(&"maxSkew".into())
+    );
+    for f in ["priorityClassName", "schedulerName"] {
+        assert_eq!(tpl[f]["type"], "string", "{f}");
+        assert!(
+            tpl[f]["description"].is_string(),
+            "{f} keeps its description"
+        );
+    }
+}

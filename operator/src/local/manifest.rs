@@ -158,6 +158,10 @@ fn cluster_only_fields(doc: &Value) -> Vec<String> {
             "resources",
             "nodeSelector",
             "tolerations",
+            "affinity",
+            "topologySpreadConstraints",
+            "priorityClassName",
+            "schedulerName",
             "labels",
             "annotations",
             "serviceAccountName",
@@ -251,7 +255,7 @@ spec:
         let (_, dir) = tree();
         let text = MINIMAL.replace(
             "decode: {}",
-            "decode: {template: {image: x, resources: {limits: {cpu: '1'}}, env: [{name: A, valueFrom: {configMapKeyRef: {name: c, key: k}}}, {name: B, valueFrom: {fieldRef: {fieldPath: metadata.name}}}]}}\n  transfer: {httpPort: 9000}",
+            "decode: {template: {image: x, resources: {limits: {cpu: '1'}}, priorityClassName: p, topologySpreadConstraints: [{maxSkew: 1, topologyKey: zone, whenUnsatisfiable: DoNotSchedule}], env: [{name: A, valueFrom: {configMapKeyRef: {name: c, key: k}}}, {name: B, valueFrom: {fieldRef: {fieldPath: metadata.name}}}]}}\n  transfer: {httpPort: 9000}",
         );
         let m = parse(&text, Path::new("/"), &dir).unwrap();
         assert_eq!(
@@ -260,6 +264,8 @@ spec:
                 "spec.transfer.httpPort",
                 "spec.decode.template.image",
                 "spec.decode.template.resources",
+                "spec.decode.template.topologySpreadConstraints",
+                "spec.decode.template.priorityClassName",
                 "spec.decode.template.env[0].valueFrom"
             ]
         );

@@ -219,6 +219,7 @@ impl Member {
             deletion_deadline: None,
             // A local member runs as soon as it is spawned (a spawn failure is an exit).
             waiting: None,
+            exit: self.exit.as_ref().map(|e| e.how.clone()),
             ready_detail,
         }
     }

@@ -147,7 +147,16 @@ pub(super) fn find_trigger(
     {
         return Some(Trigger {
             reason: CoRestartReason::MemberFailed,
-            detail: format!("{} pod {} exited ({:?})", p.role.as_str(), p.name, p.phase),
+            detail: format!(
+                "{} pod {} exited ({:?}{})",
+                p.role.as_str(),
+                p.name,
+                p.phase,
+                p.exit
+                    .as_deref()
+                    .map(|e| format!(": {e}"))
+                    .unwrap_or_default()
+            ),
         });
     }
     if let Some(p) = current.iter().find(|p| p.terminating) {

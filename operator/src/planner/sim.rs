@@ -131,6 +131,7 @@ impl Sim {
                         group_ready_gate: false,
                         deletion_deadline: None,
                         waiting: None,
+                        exit: None,
                         ready_detail: None,
                     },
                 );

@@ -142,6 +142,23 @@ fn gate_opens_only_when_the_whole_group_is_ready() {
 }
 
 #[test]
+fn member_failed_event_says_how_the_member_ended() {
+    let mut sim = ready_sim(1);
+    let d = only_pod(&sim, 0, Role::Decode);
+    sim.fail(&d);
+    sim.pods.get_mut(&d).unwrap().exit = Some("OOMKilled, exit code 137".into());
+    let plan = sim.reconcile();
+    let ev = sim.events(&plan);
+    assert!(
+        ev.iter().any(|e| e.reason.as_str() == "MemberFailed"
+            && e.message.contains(&format!(
+                "decode pod {d} exited (Failed: OOMKilled, exit code 137)"
+            ))),
+        "{ev:#?}"
+    );
+}
+
+#[test]
 fn member_failed_removes_decode_then_prefill_then_rebuilds_prefill_first() {
     let mut sim = ready_sim(1);
     let d = only_pod(&sim, 0, Role::Decode);

@@ -639,3 +639,48 @@ fn missing_uid_is_an_error_not_a_panic() {
     p.metadata.uid = None;
     assert!(client_service(&p).is_err());
 }
+
+#[test]
+fn scheduling_fields_of_the_template_reach_the_pod() {
+    use k8s_openapi::api::core::v1::{
+        Affinity, PodAffinity, PodAffinityTerm, TopologySpreadConstraint,
+    };
+    let mut spec = crate::testutil::spec(1);
+    let term = PodAffinityTerm {
+        topology_key: "topology.kubernetes.io/zone".into(),
+        match_label_keys: Some(vec![labels::GROUP.into()]),
+        ..Default::default()
+    };
+    spec.decode.template.affinity = Some(Affinity {
+        pod_affinity: Some(PodAffinity {
+            required_during_scheduling_ignored_during_execution: Some(vec![term]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    spec.decode.template.topology_spread_constraints = vec![TopologySpreadConstraint {
+        max_skew: 1,
+        topology_key: "kubernetes.io/hostname".into(),
+        when_unsatisfiable: "ScheduleAnyway".into(),
+        ..Default::default()
+    }];
+    spec.decode.template.priority_class_name = Some("serving".into());
+    spec.decode.template.scheduler_name = Some("packer".into());
+    let p = pdd(spec);
+    let decode = pod(&p, &intent(&p, Role::Decode, 0)).unwrap();
+    let s = decode.spec.unwrap();
+    assert_eq!(s.affinity, p.spec.decode.template.affinity);
+    assert_eq!(
+        s.topology_spread_constraints.as_deref(),
+        Some(&p.spec.decode.template.topology_spread_constraints[..])
+    );
+    assert_eq!(s.priority_class_name.as_deref(), Some("serving"));
+    assert_eq!(s.scheduler_name.as_deref(), Some("packer"));
+    // The prefill's template sets none of them: the pod leaves them to the cluster.
+    let prefill = pod(&p, &intent(&p, Role::Prefill, 0))
+        .unwrap()
+        .spec
+        .unwrap();
+    assert!(prefill.affinity.is_none() && prefill.topology_spread_constraints.is_none());
+    assert!(prefill.priority_class_name.is_none() && prefill.scheduler_name.is_none());
+}

@@ -1,7 +1,11 @@
-//! Certificates of the test control plane, made fresh for every run: a CA, the API
-//! server's serving certificate, a client certificate for the admin (`system:masters`),
-//! and the service-account signing key pair. ECDSA P-256 throughout.
+//! Certificates of the test cluster, made fresh for every run: a CA, the API server's
+//! serving certificate, one client certificate per identity that talks to the API server
+//! (the admin in `system:masters`, the controller manager, the scheduler, kube-proxy, the
+//! API server's own client for kubelets, and per node the kubelet as `system:node:<name>`
+//! in `system:nodes`, which the Node authorizer and NodeRestriction key on), each kubelet's
+//! serving certificate, and the service-account signing key pair. ECDSA P-256 throughout.
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
@@ -10,6 +14,20 @@ use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
+
+/// A certificate and its key, as files.
+#[derive(Debug, Clone)]
+pub struct CertPair {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// A node the cluster will have: its kubelet gets a client and a serving certificate.
+#[derive(Debug, Clone)]
+pub struct NodeIdentity {
+    pub name: String,
+    pub ip: IpAddr,
+}
 
 /// Files written by [`Pki::create`].
 #[derive(Debug, Clone)]
@@ -25,7 +43,25 @@ pub struct Pki {
     pub sa_key: PathBuf,
     /// Its public half, which verifies them.
     pub sa_pub: PathBuf,
+    clients: BTreeMap<String, CertPair>,
 }
+
+/// Client identities of the control plane and kube-proxy: file stem, CN, organization.
+const COMPONENTS: &[(&str, &str, Option<&str>)] = &[
+    (
+        "kube-controller-manager",
+        "system:kube-controller-manager",
+        None,
+    ),
+    ("kube-scheduler", "system:kube-scheduler", None),
+    ("kube-proxy", "system:kube-proxy", None),
+    // The API server's client for kubelets (logs, exec); bound to system:kubelet-api-admin.
+    (
+        "apiserver-kubelet-client",
+        "kube-apiserver-kubelet-client",
+        None,
+    ),
+];
 
 fn name(cn: &str, org: Option<&str>) -> DistinguishedName {
     let mut dn = DistinguishedName::new();
@@ -40,23 +76,58 @@ fn write(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
-impl Pki {
-    /// Create every file under `dir`. `serving_ips` and `serving_names` become the serving
-    /// certificate's subject alternative names.
-    pub fn create(dir: &Path, serving_ips: &[IpAddr], serving_names: &[&str]) -> Result<Pki> {
-        std::fs::create_dir_all(dir)?;
-        let pki = Pki {
-            dir: dir.to_path_buf(),
-            ca_cert: dir.join("ca.crt"),
-            ca_key: dir.join("ca.key"),
-            serving_cert: dir.join("apiserver.crt"),
-            serving_key: dir.join("apiserver.key"),
-            admin_cert: dir.join("admin.crt"),
-            admin_key: dir.join("admin.key"),
-            sa_key: dir.join("sa.key"),
-            sa_pub: dir.join("sa.pub"),
-        };
+fn serving_params(cn: &str, ips: &[IpAddr], names: &[&str]) -> Result<CertificateParams> {
+    let mut p = CertificateParams::default();
+    p.distinguished_name = name(cn, None);
+    p.subject_alt_names = ips.iter().map(|ip| SanType::IpAddress(*ip)).collect();
+    for n in names {
+        p.subject_alt_names.push(SanType::DnsName((*n).try_into()?));
+    }
+    p.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    Ok(p)
+}
 
+fn client_params(cn: &str, org: Option<&str>) -> CertificateParams {
+    let mut p = CertificateParams::default();
+    p.distinguished_name = name(cn, org);
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    p
+}
+
+/// Sign `params` with a fresh key and write `<stem>.crt` and `<stem>.key` under `dir`.
+fn issue(
+    dir: &Path,
+    stem: &str,
+    params: CertificateParams,
+    issuer: &Issuer<'_, KeyPair>,
+) -> Result<CertPair> {
+    let key = KeyPair::generate()?;
+    let cert = params.signed_by(&key, issuer)?;
+    let pair = CertPair {
+        cert: dir.join(format!("{stem}.crt")),
+        key: dir.join(format!("{stem}.key")),
+    };
+    write(&pair.cert, &cert.pem())?;
+    write(&pair.key, &key.serialize_pem())?;
+    Ok(pair)
+}
+
+impl Pki {
+    /// Create every file under `dir`. `serving_ips` and `serving_names` become the API
+    /// server certificate's subject alternative names; each node gets a kubelet client
+    /// certificate and a serving certificate for its address and name.
+    pub fn create(
+        dir: &Path,
+        serving_ips: &[IpAddr],
+        serving_names: &[&str],
+        nodes: &[NodeIdentity],
+    ) -> Result<Pki> {
+        std::fs::create_dir_all(dir)?;
         let ca_key = KeyPair::generate()?;
         let mut ca = CertificateParams::default();
         ca.distinguished_name = name("tandem-e2e-ca", None);
@@ -67,43 +138,75 @@ impl Pki {
             KeyUsagePurpose::DigitalSignature,
         ];
         let ca_cert = ca.self_signed(&ca_key)?;
-        write(&pki.ca_cert, &ca_cert.pem())?;
-        write(&pki.ca_key, &ca_key.serialize_pem())?;
+        let (ca_cert_path, ca_key_path) = (dir.join("ca.crt"), dir.join("ca.key"));
+        write(&ca_cert_path, &ca_cert.pem())?;
+        write(&ca_key_path, &ca_key.serialize_pem())?;
         let issuer = Issuer::new(ca, ca_key);
 
-        let serving_key = KeyPair::generate()?;
-        let mut serving = CertificateParams::default();
-        serving.distinguished_name = name("kube-apiserver", None);
-        serving.subject_alt_names = serving_ips
-            .iter()
-            .map(|ip| SanType::IpAddress(*ip))
-            .collect();
-        for n in serving_names {
-            serving
-                .subject_alt_names
-                .push(SanType::DnsName((*n).try_into()?));
+        let serving = issue(
+            dir,
+            "apiserver",
+            serving_params("kube-apiserver", serving_ips, serving_names)?,
+            &issuer,
+        )?;
+        let admin = issue(
+            dir,
+            "admin",
+            client_params("tandem-e2e-admin", Some("system:masters")),
+            &issuer,
+        )?;
+        let mut clients = BTreeMap::new();
+        for (stem, cn, org) in COMPONENTS {
+            clients.insert(
+                stem.to_string(),
+                issue(dir, stem, client_params(cn, *org), &issuer)?,
+            );
         }
-        serving.key_usages = vec![
-            KeyUsagePurpose::DigitalSignature,
-            KeyUsagePurpose::KeyEncipherment,
-        ];
-        serving.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        let cert = serving.signed_by(&serving_key, &issuer)?;
-        write(&pki.serving_cert, &cert.pem())?;
-        write(&pki.serving_key, &serving_key.serialize_pem())?;
-
-        let admin_key = KeyPair::generate()?;
-        let mut admin = CertificateParams::default();
-        admin.distinguished_name = name("tandem-e2e-admin", Some("system:masters"));
-        admin.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        admin.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        let cert = admin.signed_by(&admin_key, &issuer)?;
-        write(&pki.admin_cert, &cert.pem())?;
-        write(&pki.admin_key, &admin_key.serialize_pem())?;
+        for n in nodes {
+            let cn = format!("system:node:{}", n.name);
+            clients.insert(
+                format!("kubelet-{}", n.name),
+                issue(
+                    dir,
+                    &format!("kubelet-{}", n.name),
+                    client_params(&cn, Some("system:nodes")),
+                    &issuer,
+                )?,
+            );
+            clients.insert(
+                format!("kubelet-{}-serving", n.name),
+                issue(
+                    dir,
+                    &format!("kubelet-{}-serving", n.name),
+                    serving_params(&n.name, &[n.ip], &[&n.name])?,
+                    &issuer,
+                )?,
+            );
+        }
 
         let sa = KeyPair::generate()?;
-        write(&pki.sa_key, &sa.serialize_pem())?;
-        write(&pki.sa_pub, &sa.public_key_pem())?;
-        Ok(pki)
+        let (sa_key, sa_pub) = (dir.join("sa.key"), dir.join("sa.pub"));
+        write(&sa_key, &sa.serialize_pem())?;
+        write(&sa_pub, &sa.public_key_pem())?;
+        Ok(Pki {
+            dir: dir.to_path_buf(),
+            ca_cert: ca_cert_path,
+            ca_key: ca_key_path,
+            serving_cert: serving.cert,
+            serving_key: serving.key,
+            admin_cert: admin.cert,
+            admin_key: admin.key,
+            sa_key,
+            sa_pub,
+            clients,
+        })
+    }
+
+    /// A certificate made by [`Pki::create`]: a component's stem (`kube-scheduler`, …),
+    /// `kubelet-<node>` or `kubelet-<node>-serving`.
+    pub fn cert(&self, stem: &str) -> Result<&CertPair> {
+        self.clients
+            .get(stem)
+            .with_context(|| format!("no certificate {stem:?} in {}", self.dir.display()))
     }
 }

@@ -1,7 +1,8 @@
-//! Child processes of the harness (etcd, the API server, the controller manager, operator
-//! replicas): output to a log file, stopped with SIGTERM then SIGKILL, and killed when the
-//! harness goes away — on drop, and through the parent-death signal set by
-//! `e2e-pod-exec --exec-only` when the harness itself is killed.
+//! Child processes of the harness (etcd, the control plane, each node's containerd, kubelet,
+//! kube-proxy and NetworkPolicy enforcer): output to a log file, stopped with SIGTERM then
+//! SIGKILL, and killed when the harness goes away — on drop, and through the parent-death
+//! signal `e2e-exec` sets before it execs them. A node's processes are started in the
+//! node's network namespace (and containerd in its cgroup) by `e2e-exec` too.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -12,20 +13,27 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
 
-static POD_EXEC: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+static EXEC: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
 
-/// Tell the harness where `e2e-pod-exec` is (cargo knows it only in the test target:
-/// `env!("CARGO_BIN_EXE_e2e-pod-exec")`).
-pub fn set_pod_exec_binary(path: PathBuf) {
-    let _ = POD_EXEC.set(path);
+/// Tell the harness where `e2e-exec` is (cargo knows it only in the test target:
+/// `env!("CARGO_BIN_EXE_e2e-exec")`).
+pub fn set_exec_binary(path: PathBuf) {
+    let _ = EXEC.set(path);
 }
 
-/// Path of the `e2e-pod-exec` helper.
-pub fn pod_exec_binary() -> PathBuf {
-    POD_EXEC
-        .get()
+/// Path of the `e2e-exec` helper.
+pub fn exec_binary() -> PathBuf {
+    EXEC.get()
         .cloned()
-        .expect("set_pod_exec_binary is called before the harness starts")
+        .expect("set_exec_binary is called before the harness starts")
+}
+
+/// Where a child runs: the harness's own namespaces by default, or a node's network
+/// namespace, and cgroups it joins before it execs.
+#[derive(Debug, Clone, Default)]
+pub struct Placement {
+    pub netns: Option<PathBuf>,
+    pub cgroups: Vec<PathBuf>,
 }
 
 /// A running child process with its log file.
@@ -45,15 +53,32 @@ impl Process {
         envs: &[(String, String)],
         log: &Path,
     ) -> Result<Process> {
+        Self::spawn_in(name, program, args, envs, log, &Placement::default())
+    }
+
+    /// [`Process::spawn`] in a node's network namespace and cgroups.
+    pub fn spawn_in(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        envs: &[(String, String)],
+        log: &Path,
+        at: &Placement,
+    ) -> Result<Process> {
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(log)
             .with_context(|| format!("opening {}", log.display()))?;
         let err = file.try_clone()?;
-        let mut cmd = Command::new(pod_exec_binary());
-        cmd.arg("--exec-only")
-            .arg("--")
+        let mut cmd = Command::new(exec_binary());
+        if let Some(ns) = &at.netns {
+            cmd.arg("--netns").arg(ns);
+        }
+        for c in &at.cgroups {
+            cmd.arg("--cgroup").arg(c);
+        }
+        cmd.arg("--")
             .arg(program)
             .args(args)
             .envs(envs.iter().map(|(k, v)| (k, v)))

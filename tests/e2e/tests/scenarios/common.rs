@@ -36,16 +36,23 @@ pub fn init_logging(run_dir: &Path) {
         .init();
 }
 
+/// The dataplane image every scenario's pods run: the chart's name and tag, imported into
+/// each node from `target/images`.
+pub fn dataplane_image() -> String {
+    format!("ghcr.io/tandem/dataplane:{}", env!("CARGO_PKG_VERSION"))
+}
+
 /// The scenarios' PDDeployment: the example's shape with short probe periods and
 /// windows, a small KV cache and one compute thread per process (two cores for the
-/// whole suite).
+/// whole suite). Requests are small: each node offers the machine's two CPUs, and up to
+/// eight dataplane pods run at once.
 pub fn spec(name: &str, groups: i32) -> Value {
     let role = json!({
         "replicas": 1,
         "template": {
-            "image": "ghcr.io/tandem/dataplane:e2e",
+            "image": dataplane_image(),
             "env": [{"name": "TANDEM_THREADS", "value": "1"}],
-            "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}},
+            "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
         },
         "args": ["--kv-blocks", "64", "--max-batch", "4", "--drain-seconds", "2"],
     });
@@ -159,6 +166,21 @@ pub fn incarnation(p: &Pod) -> i64 {
 
 pub fn pod_ip(p: &Pod) -> Option<String> {
     p.status.as_ref()?.pod_ip.clone()
+}
+
+/// The kubelet's account of the pod's ended container: (reason, exit code).
+pub fn terminated(p: &Pod) -> Option<(String, i32)> {
+    let t = p
+        .status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .first()?
+        .state
+        .as_ref()?
+        .terminated
+        .clone()?;
+    Some((t.reason.unwrap_or_default(), t.exit_code))
 }
 
 pub fn pod_condition(p: &Pod, t: &str) -> Option<String> {
@@ -314,6 +336,8 @@ pub struct PodChange {
     pub role: String,
     pub incarnation: i64,
     pub what: Change,
+    /// When the watch delivered it.
+    pub at: std::time::Instant,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -323,6 +347,8 @@ pub enum Change {
     Terminating,
     /// `ContainersReady` turned True / False.
     ContainersReady(bool),
+    /// The kubelet reported the container terminated: reason, exit code.
+    Terminated(String, i32),
     /// Gone from the API.
     Deleted,
 }
@@ -342,7 +368,7 @@ impl PodRecorder {
         let (synced_tx, synced_rx) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
             let mut synced_tx = Some(synced_tx);
-            let mut seen: BTreeMap<String, (bool, Option<bool>)> = BTreeMap::new();
+            let mut seen: BTreeMap<String, (bool, Option<bool>, bool)> = BTreeMap::new();
             let mut stream = watcher(api, watcher::Config::default()).boxed();
             while let Some(ev) = stream.next().await {
                 let (pod, deleted) = match ev {
@@ -363,6 +389,7 @@ impl PodRecorder {
                         role: role(&pod),
                         incarnation: incarnation(&pod),
                         what,
+                        at: std::time::Instant::now(),
                     })
                 };
                 let uid = pod.metadata.uid.clone().unwrap_or_default();
@@ -370,7 +397,7 @@ impl PodRecorder {
                 let state = match entry {
                     std::collections::btree_map::Entry::Vacant(v) => {
                         push(Change::Added);
-                        v.insert((false, None))
+                        v.insert((false, None, false))
                     }
                     std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
                 };
@@ -382,6 +409,12 @@ impl PodRecorder {
                 if cr.is_some() && cr != state.1 {
                     state.1 = cr;
                     push(Change::ContainersReady(cr.unwrap_or(false)));
+                }
+                if !state.2
+                    && let Some((reason, code)) = terminated(&pod)
+                {
+                    state.2 = true;
+                    push(Change::Terminated(reason, code));
                 }
                 if deleted {
                     push(Change::Deleted);

@@ -1,10 +1,12 @@
-//! The end-to-end scenarios against a real control plane (see `tandem_e2e` for what is
-//! real). One environment is started for the whole run; scenarios run one after another,
-//! each in its own namespace with its own operator replica(s).
+//! The end-to-end scenarios on a real cluster (see `tandem_e2e` for what is real). One
+//! environment is started for the whole run, with Tandem installed by `helm install`;
+//! scenarios run one after another, each in its own namespace, all served by the chart's
+//! operator.
 //!
 //! `cargo test -p tandem-e2e --test scenarios -- [FILTER…]` runs the scenarios whose name
-//! contains any FILTER (all without one). Logs: `target/e2e/` (control plane, operator,
-//! one file per pod, the harness's own log).
+//! contains any FILTER (all without one). Logs: `target/e2e/` (`logs/`: control plane,
+//! nodes; `nodes/<node>/pod-logs/`: every container, the operator's included; the
+//! harness's own log).
 
 mod common;
 mod s01_example;
@@ -17,6 +19,15 @@ mod s07_delete_recreate;
 mod s08_leader;
 mod s09_manifests_rbac;
 mod s10_validation;
+mod s11_prefill_killed;
+mod s12_network_policy;
+mod s13_partition;
+mod s14_sigterm;
+mod s15_slow_load;
+mod s16_oom_killed;
+mod s17_placement;
+mod s18_helm_upgrade;
+mod s19_helm_uninstall;
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -55,13 +66,61 @@ const SCENARIOS: &[(&str, Duration, ScenarioFn)] = &[
     ("s08_leader_election", Duration::from_secs(300), |e| {
         Box::pin(s08_leader::run(e))
     }),
-    ("s09_manifests_rbac", Duration::from_secs(180), |e| {
-        Box::pin(s09_manifests_rbac::run(e))
-    }),
     ("s10_validation", Duration::from_secs(120), |e| {
         Box::pin(s10_validation::run(e))
     }),
+    ("s11_prefill_killed", Duration::from_secs(300), |e| {
+        Box::pin(s11_prefill_killed::run(e))
+    }),
+    ("s12_network_policy", Duration::from_secs(300), |e| {
+        Box::pin(s12_network_policy::run(e))
+    }),
+    ("s13_partition", Duration::from_secs(240), |e| {
+        Box::pin(s13_partition::run(e))
+    }),
+    ("s14_sigterm", Duration::from_secs(300), |e| {
+        Box::pin(s14_sigterm::run(e))
+    }),
+    ("s15_slow_load", Duration::from_secs(600), |e| {
+        Box::pin(s15_slow_load::run(e))
+    }),
+    ("s16_oom_killed", Duration::from_secs(360), |e| {
+        Box::pin(s16_oom_killed::run(e))
+    }),
+    ("s17_placement", Duration::from_secs(300), |e| {
+        Box::pin(s17_placement::run(e))
+    }),
+    // After every scenario the chart's operator served before the upgrade replaces it:
+    // its replicas' logs are still on the nodes.
+    ("s09_manifests_rbac", Duration::from_secs(180), |e| {
+        Box::pin(s09_manifests_rbac::run(e))
+    }),
+    ("s18_helm_upgrade", Duration::from_secs(600), |e| {
+        Box::pin(s18_helm_upgrade::run(e))
+    }),
+    // Last: it removes the operator.
+    ("s19_helm_uninstall", Duration::from_secs(300), |e| {
+        Box::pin(s19_helm_uninstall::run(e))
+    }),
 ];
+
+/// `/proc/loadavg`'s first three fields: timings mean little on a loaded machine.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// After a failed scenario: its PDDeployments go (the pods with them), so that what it
+/// left running does not take part in the next scenarios (scenario `sNN_…` uses namespace
+/// `sNN`; the first one cleans `default` itself).
+async fn remove_leftovers(env: &Env, scenario: &str) {
+    let ns = scenario.split('_').next().unwrap_or(scenario);
+    let _ = env
+        .kubectl
+        .run(&["delete", "pdd", "--all", "-n", ns, "--wait=false"])
+        .await;
+}
 
 fn main() -> ExitCode {
     let filters: Vec<String> = std::env::args()
@@ -72,11 +131,21 @@ fn main() -> ExitCode {
         .iter()
         .filter(|(name, _, _)| filters.is_empty() || filters.iter().any(|f| name.contains(f)))
         .collect();
-    tandem_e2e::proc::set_pod_exec_binary(env!("CARGO_BIN_EXE_e2e-pod-exec").into());
+    let exec = std::path::PathBuf::from(env!("CARGO_BIN_EXE_e2e-exec"));
+    // First of all: into the run's own network, mount and PID namespaces (re-executes
+    // this program there).
+    if let Err(e) = tandem_e2e::sandbox::enter(&exec) {
+        println!("e2e: cannot enter the run's namespaces: {e:#}");
+        return ExitCode::FAILURE;
+    }
+    tandem_e2e::proc::set_exec_binary(exec);
     let run_dir = tandem_e2e::repo_root().join("target/e2e");
     // Root may own leftovers of a killed run; the logs of the last run are replaced.
     let _ = std::fs::remove_dir_all(&run_dir);
     let _ = std::fs::create_dir_all(&run_dir);
+    // No symlink in the paths the kubelet and containerd mount under (CI links target/ to
+    // a cache directory): mount tables name resolved paths.
+    let run_dir = run_dir.canonicalize().unwrap_or(run_dir);
     common::init_logging(&run_dir);
 
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -94,6 +163,7 @@ fn main() -> ExitCode {
         let env = match Env::start(&run_dir).await {
             Ok(e) => e,
             Err(e) => {
+                Env::clean_up_failed_start(&run_dir).await;
                 println!("e2e environment failed to start: {e:#}");
                 println!("logs: {}", run_dir.display());
                 println!("0 passed, {} failed", selected.len());
@@ -101,9 +171,10 @@ fn main() -> ExitCode {
             }
         };
         println!(
-            "environment up in {:.1}s (operator RBAC from {})",
+            "environment up in {:.1}s: 2 nodes Ready, Tandem installed by helm in {:.1}s (load average {})",
             started.elapsed().as_secs_f64(),
-            env.rbac_source
+            env.install_took.as_secs_f64(),
+            load_average()
         );
         let (mut passed, mut failed) = (0, 0);
         for (name, limit, body) in &selected {
@@ -111,6 +182,9 @@ fn main() -> ExitCode {
             let guarded = AssertUnwindSafe(body(&env)).catch_unwind();
             let outcome = tokio::time::timeout(*limit, guarded).await;
             let secs = t.elapsed().as_secs_f64();
+            if !matches!(outcome, Ok(Ok(Ok(())))) {
+                remove_leftovers(&env, name).await;
+            }
             match outcome {
                 Ok(Ok(Ok(()))) => {
                     passed += 1;
@@ -137,8 +211,9 @@ fn main() -> ExitCode {
         }
         env.stop().await;
         println!(
-            "e2e total {:.1}s; logs in {}",
+            "e2e total {:.1}s (load average {}); logs in {}",
             started.elapsed().as_secs_f64(),
+            load_average(),
             run_dir.display()
         );
         println!("{passed} passed, {failed} failed");

@@ -38,7 +38,6 @@ pub async fn run(env: &Env) -> Result<()> {
         .to_string();
 
     env.namespace(ns).await?;
-    let mut op = env.operator("s01", ns)?;
     let example = Example {
         ns,
         manifest: &manifest,
@@ -46,15 +45,10 @@ pub async fn run(env: &Env) -> Result<()> {
         groups,
         model: &model,
     };
-    let checked = async {
-        op.wait_leading(Duration::from_secs(60)).await?;
-        serve_and_check(env, &example).await
-    }
-    .await;
+    let checked = serve_and_check(env, &example).await;
     // Pass or fail, leave `default` as a user's cluster was before the example: later
     // scenarios (s09 dry-runs the examples there) must not meet its claim.
     let cleaned = remove(env, &example).await;
-    op.stop().await?;
     checked?;
     cleaned
 }
@@ -126,8 +120,9 @@ async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
         "kubectl get pdd row: {row:?}"
     );
 
-    // Pod DNS: each decode was told its prefill by name, and that name resolves, inside
-    // the decode's own network namespace, to the prefill pod's address.
+    // Pod DNS: each decode was told its prefill by name, and that name resolves as the
+    // decode resolves it (its resolv.conf from the kubelet, through the kube-dns Service
+    // and kube-proxy, from inside its network namespace) to the prefill pod's address.
     let all = pods(env, ns, name).await?;
     for d in all.iter().filter(|p| role(p) == "decode") {
         let args = d.spec.as_ref().unwrap().containers[0]
@@ -148,17 +143,13 @@ async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
                 "decode {} was given {peer:?}, not a DNS name",
                 d.name_any()
             );
-            let netns = format!(
-                "tdm-{}",
-                &d.metadata.uid.clone().unwrap_or_default().replace('-', "")[..8]
-            );
-            let out =
-                tandem_e2e::proc::run("ip", &["netns", "exec", &netns, "getent", "hosts", host])
-                    .await
-                    .with_context(|| format!("resolving {host} inside {}", d.name_any()))?;
+            let got = env
+                .resolve_in_pod(ns, &d.name_any(), host)
+                .await
+                .with_context(|| format!("resolving {host} inside {}", d.name_any()))?;
             ensure!(
-                out.split_whitespace().next() == Some(want_ip.as_str()),
-                "{host} resolved to {out:?} inside {}, want {want_ip}",
+                got.first() == Some(&want_ip),
+                "{host} resolved to {got:?} inside {}, want {want_ip}",
                 d.name_any()
             );
         }
@@ -169,6 +160,7 @@ async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
     wait_ready_endpoints(env, ns, name, groups as usize).await?;
     let eps = endpoints(env, ns, name).await?;
     let ready: Vec<&Endpoint> = eps.iter().filter(|e| e.ready).collect();
+    let mut first_token = None;
     let decode_pods: Vec<String> = all
         .iter()
         .filter(|p| role(p) == "decode")
@@ -185,11 +177,38 @@ async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
             "endpoint {e:?} is not a decode pod"
         );
         let text = chat_model(&e.ip, model, Duration::from_secs(60)).await?;
+        if first_token.is_none() {
+            first_token = Some(env.installed_at.elapsed());
+        }
         figure(
             &format!("chat via endpoint {} ({})", e.ip, e.pod),
             format!("{text:?}"),
         );
     }
+    if let Some(t) = first_token {
+        figure(
+            "helm install → first served token",
+            format!(
+                "{:.1}s (helm install → a leading operator {:.1}s; the example applied right after)",
+                t.as_secs_f64(),
+                env.install_took.as_secs_f64()
+            ),
+        );
+    }
+    // And through the Service's ClusterIP, as a client in the cluster reaches it
+    // (kube-proxy picks a ready endpoint).
+    let svc = env
+        .kubectl
+        .json(&["get", "service", name, "-n", ns])
+        .await?;
+    let cluster_ip = svc["spec"]["clusterIP"]
+        .as_str()
+        .context("the client Service has a ClusterIP")?;
+    let text = chat_model(cluster_ip, model, Duration::from_secs(60)).await?;
+    figure(
+        &format!("chat via the client Service {cluster_ip}"),
+        format!("{text:?}"),
+    );
 
     Ok(())
 }

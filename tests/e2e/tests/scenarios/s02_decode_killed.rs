@@ -19,8 +19,6 @@ use crate::common::*;
 pub async fn run(env: &Env) -> Result<()> {
     let (ns, name) = ("s02", "pd");
     env.namespace(ns).await?;
-    let mut op = env.operator("s02", ns)?;
-    op.wait_leading(Duration::from_secs(60)).await?;
     env.kubectl.apply(ns, &yaml(&spec(name, 2))).await?;
     wait_ready(env, ns, name, 2, Duration::from_secs(180)).await?;
 
@@ -53,7 +51,10 @@ pub async fn run(env: &Env) -> Result<()> {
         })
     };
 
-    let pid = env.pid_of(ns, &d0.name_any()).context("decode 0 process")?;
+    let pid = env
+        .pid_of(ns, &d0.name_any())
+        .await
+        .context("decode 0 process")?;
     let killed = Instant::now();
     kill(Pid::from_raw(pid), Signal::SIGKILL)?;
 
@@ -187,6 +188,5 @@ pub async fn run(env: &Env) -> Result<()> {
     env.kubectl
         .ok(&["delete", "pdd", name, "-n", ns, "--wait=true"])
         .await?;
-    op.stop().await?;
     Ok(())
 }

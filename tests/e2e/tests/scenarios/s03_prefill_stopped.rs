@@ -40,8 +40,6 @@ async fn wait_not_ready(env: &Env, ns: &str, pod: &str, within: Duration) -> Res
 pub async fn run(env: &Env) -> Result<()> {
     let (ns, name) = ("s03", "pd");
     env.namespace(ns).await?;
-    let mut op = env.operator("s03", ns)?;
-    op.wait_leading(Duration::from_secs(60)).await?;
     let mut s = spec(name, 1);
     s["spec"]["health"]["coRestartAfterSeconds"] = WINDOW_S.into();
     env.kubectl.apply(ns, &yaml(&s)).await?;
@@ -52,6 +50,7 @@ pub async fn run(env: &Env) -> Result<()> {
     let inc = incarnation(&prefill);
     let pid = Pid::from_raw(
         env.pid_of(ns, &prefill.name_any())
+            .await
             .context("prefill process")?,
     );
 
@@ -157,6 +156,5 @@ pub async fn run(env: &Env) -> Result<()> {
     env.kubectl
         .ok(&["delete", "pdd", name, "-n", ns, "--wait=true"])
         .await?;
-    op.stop().await?;
     Ok(())
 }

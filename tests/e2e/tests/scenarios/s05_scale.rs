@@ -13,8 +13,6 @@ use crate::common::*;
 pub async fn run(env: &Env) -> Result<()> {
     let (ns, name) = ("s05", "pd");
     env.namespace(ns).await?;
-    let mut op = env.operator("s05", ns)?;
-    op.wait_leading(Duration::from_secs(60)).await?;
     env.kubectl.apply(ns, &yaml(&spec(name, 1))).await?;
     wait_ready(env, ns, name, 1, Duration::from_secs(180)).await?;
 
@@ -124,6 +122,5 @@ pub async fn run(env: &Env) -> Result<()> {
     env.kubectl
         .ok(&["delete", "pdd", name, "-n", ns, "--wait=true"])
         .await?;
-    op.stop().await?;
     Ok(())
 }

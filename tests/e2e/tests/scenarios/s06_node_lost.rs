@@ -1,9 +1,9 @@
-//! Scenario 6: the node running a group stops heartbeating (a hung kubelet; its processes
-//! keep running). The node lifecycle controller marks the node NotReady and the pods not
-//! Ready; the operator co-restarts the group; the deletions hang because nobody on that
-//! node confirms them, so the operator force-deletes the pods once their grace period and
-//! a margin have passed, and the group is rebuilt on the other node. When the node comes
-//! back, its kubelet stops the processes of the pods that were removed meanwhile.
+//! Scenario 6: the node running a group stops heartbeating: its kubelet hangs (SIGSTOP),
+//! its containers keep running. The node lifecycle controller marks the node NotReady and
+//! the pods not Ready; the operator co-restarts the group; the deletions hang because
+//! nobody on that node confirms them, so the operator force-deletes the pods once their
+//! grace period and a margin have passed, and the group is rebuilt on the other node. When
+//! the kubelet resumes, it stops the containers of the pods that were removed meanwhile.
 
 use std::time::{Duration, Instant};
 
@@ -25,8 +25,6 @@ fn node_of(p: &Pod) -> String {
 pub async fn run(env: &Env) -> Result<()> {
     let (ns, name) = ("s06", "pd");
     env.namespace(ns).await?;
-    let mut op = env.operator("s06", ns)?;
-    op.wait_leading(Duration::from_secs(60)).await?;
 
     // Place the group on node B.
     env.kubectl.ok(&["cordon", NODE_A]).await?;
@@ -46,15 +44,12 @@ pub async fn run(env: &Env) -> Result<()> {
             .map(|p| (p.name_any(), node_of(p)))
             .collect::<Vec<_>>()
     );
-    let old_pids: Vec<i32> = old
-        .iter()
-        .filter_map(|p| env.pid_of(ns, &p.name_any()))
-        .collect();
-    ensure!(old_pids.len() == 2, "both processes run");
+    let old_pids: Vec<i32> = old.iter().filter_map(|p| env.container_pid(p)).collect();
+    ensure!(old_pids.len() == 2, "both containers run");
 
     let rec = PodRecorder::start(env, ns).await;
     let lost = Instant::now();
-    env.node(NODE_B).set_heartbeat(false);
+    env.node(NODE_B).freeze_kubelet()?;
     let result = async {
         wait::until(
             "node B to turn NotReady",
@@ -124,22 +119,23 @@ pub async fn run(env: &Env) -> Result<()> {
             "no PodForceDeleted event: {:?}",
             evs.iter().map(|e| e.reason.clone()).collect::<Vec<_>>()
         );
-        // The orphaned processes still run on the hung node…
+        // The orphaned containers still run on the hung node…
         ensure!(
             old_pids
                 .iter()
                 .all(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists()),
-            "the hung node's processes should still run"
+            "the hung node's containers should still run"
         );
         anyhow::Ok(())
     }
     .await;
 
-    // …until its kubelet comes back and stops them.
-    env.node(NODE_B).set_heartbeat(true);
+    // …until its kubelet resumes and stops them.
+    env.node(NODE_B).thaw_kubelet()?;
+    let resumed = Instant::now();
     result?;
     wait::until(
-        "the returning kubelet to stop the removed pods' processes",
+        "the resumed kubelet to stop the removed pods' containers",
         Duration::from_secs(60),
         Duration::from_millis(500),
         || async {
@@ -154,11 +150,14 @@ pub async fn run(env: &Env) -> Result<()> {
         },
     )
     .await?;
+    figure(
+        "kubelet resumed → orphaned containers stopped",
+        format!("{:.1}s", resumed.elapsed().as_secs_f64()),
+    );
     wait_ready(env, ns, name, 1, Duration::from_secs(30)).await?;
 
     env.kubectl
         .ok(&["delete", "pdd", name, "-n", ns, "--wait=true"])
         .await?;
-    op.stop().await?;
     Ok(())
 }

@@ -61,8 +61,6 @@ async fn group_key(env: &Env, ns: &str, name: &str) -> Result<String> {
 pub async fn run(env: &Env) -> Result<()> {
     let (ns, name) = ("s07", "pd");
     env.namespace(ns).await?;
-    let mut op = env.operator("s07", ns)?;
-    op.wait_leading(Duration::from_secs(60)).await?;
     let manifest = yaml(&spec(name, 1));
 
     // Plain deletion: the garbage collector removes every child.
@@ -140,6 +138,5 @@ pub async fn run(env: &Env) -> Result<()> {
     env.kubectl
         .ok(&["delete", "pdd", name, "-n", ns, "--wait=true"])
         .await?;
-    op.stop().await?;
     Ok(())
 }

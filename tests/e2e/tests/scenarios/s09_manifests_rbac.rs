@@ -1,7 +1,8 @@
 //! Scenario 9: every manifest in `manifests/` and the rendered Helm chart pass a server-side
 //! dry-run apply; the operator's ServiceAccount can do what the controller calls and
-//! nothing beyond it; and the operator replicas of every scenario, all running under that
-//! account only, never met a `forbidden` answer.
+//! nothing beyond it; and the chart's operator replicas, which served every scenario before
+//! this one under that account only, never met a `forbidden` answer (read from every
+//! container instance's log the kubelets kept).
 
 use std::path::{Path, PathBuf};
 
@@ -44,19 +45,8 @@ pub async fn run(env: &Env) -> Result<()> {
     }
     figure("manifests dry-run applied", files.len());
 
-    let chart = repo_root().join("charts/tandem");
     {
-        let rendered = tandem_e2e::proc::run(
-            &env.cluster.bins.helm.display().to_string(),
-            &[
-                "template",
-                "tandem",
-                &chart.display().to_string(),
-                "--namespace",
-                OPERATOR_NAMESPACE,
-            ],
-        )
-        .await?;
+        let rendered = env.helm.template().await?;
         let out = env
             .kubectl
             .run_with(&["apply", "--dry-run=server", "-f", "-"], Some(&rendered))
@@ -134,38 +124,23 @@ pub async fn run(env: &Env) -> Result<()> {
         );
     }
 
-    // Every operator replica so far ran under that account only: none was refused. Run
-    // alone, no replica has run yet: one runs here (it lists, watches and takes the lease
-    // under the account), so that there is always a log to read.
-    let logs = env.run_dir.join("logs");
-    let has_operator_log = std::fs::read_dir(&logs)
-        .context("operator logs")?
-        .flatten()
-        .any(|e| e.file_name().to_string_lossy().starts_with("operator-"));
-    if !has_operator_log {
-        let mut op = env.operator("s09", "s09")?;
-        let led = op.wait_leading(std::time::Duration::from_secs(60)).await;
-        op.stop().await?;
-        led?;
-    }
+    // Every operator container so far ran under that account only: none was refused.
+    let logs = env.kept_pod_logs(OPERATOR_NAMESPACE, "tandem-operator-");
+    ensure!(
+        !logs.is_empty(),
+        "no operator container log under {}/nodes/*/pod-logs",
+        env.run_dir.display()
+    );
     let mut checked = 0;
-    for e in std::fs::read_dir(&logs).context("operator logs")? {
-        let p = e?.path();
-        let fname = p
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .to_string();
-        if !fname.starts_with("operator-") {
-            continue;
-        }
+    for p in &logs {
         checked += 1;
-        let text = std::fs::read_to_string(&p)?;
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
         if let Some(line) = text
             .lines()
             .find(|l| l.contains("forbidden") || l.contains(" 403"))
         {
-            bail!("{fname}: the operator was refused: {line}");
+            bail!("{}: the operator was refused: {line}", p.display());
         }
     }
     ensure!(
