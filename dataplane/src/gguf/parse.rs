@@ -262,8 +262,11 @@ fn tensor_info(c: &mut Cursor<'_>, name: String, alignment: usize) -> R<TensorIn
     let ty_id = c.u32(&what)?;
     let offset = c.u64(&what)?;
     let ty = GgmlType::from_id(ty_id).map_err(|_| {
+        let named = GgmlType::name_of_id(ty_id).map_or(String::new(), |n| format!("{n}, "));
+        let supported: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
         bad(format!(
-            "unsupported tensor type id {ty_id} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"
+            "unsupported tensor type {named}id {ty_id} (supported: {})",
+            supported.join(", ")
         ))
     })?;
     let n_elems = dims

@@ -195,14 +195,18 @@ fn semantic_errors_name_key_or_tensor() {
     w.meta("deep", GgufValue::Array(a));
     assert!(err(w.to_bytes()).to_string().contains("deep"));
 
-    // Unsupported tensor type (Q6_K = 14), names the tensor.
+    // Unsupported tensor type (Q3_K = 11), names the tensor and the type, lists the
+    // supported ones.
     let mut w = GgufWriter::new();
     w.tensor("blk.0.x", &[32], GgmlType::Q8_0, vec![0; 34]);
     let mut b = w.to_bytes();
     let ty_at = 24 + 8 + 7 + 4 + 8;
-    b[ty_at..ty_at + 4].copy_from_slice(&14u32.to_le_bytes());
+    b[ty_at..ty_at + 4].copy_from_slice(&11u32.to_le_bytes());
     let e = err(b).to_string();
-    assert!(e.contains("blk.0.x") && e.contains("14"), "{e}");
+    assert!(
+        e.contains("blk.0.x") && e.contains("Q3_K, id 11") && e.contains("Q4_K, Q5_K, Q6_K"),
+        "{e}"
+    );
 
     // Row length not a multiple of the block size.
     let mut w = GgufWriter::new();

@@ -57,6 +57,17 @@ impl Rng {
 }
 
 impl TinyLlama {
+    /// The default model with dimensions that are whole blocks of `ty` (the K-quants'
+    /// rows are multiples of 256).
+    pub fn fitting(ty: GgmlType) -> Self {
+        let d = Self::default();
+        Self {
+            dim: d.dim.next_multiple_of(ty.block_len()),
+            ffn_dim: d.ffn_dim.next_multiple_of(ty.block_len()),
+            ..d
+        }
+    }
+
     pub fn to_writer(&self) -> GgufWriter {
         let mut rng = Rng(self.seed);
         let mut w = GgufWriter::new();
