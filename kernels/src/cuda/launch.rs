@@ -103,6 +103,12 @@ pub enum MatmulKind {
 }
 
 pub fn matmul(ty: GgmlType, rows: usize, n_tok: usize) -> Result<(MatmulKind, Launch)> {
+    use GgmlType::*;
+    if !matches!(ty, F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1) {
+        return Err(crate::Error::Cuda(format!(
+            "no CUDA matmul kernel for {ty} weights (the CPU backend multiplies them)"
+        )));
+    }
     let warps = 8usize;
     let kind = if !ty.is_quantized() {
         MatmulKind::Float
