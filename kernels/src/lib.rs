@@ -32,7 +32,7 @@ mod types;
 
 pub use api::{AttnQuery, AttnShape, Kernels, KvView, Layout, Matrix};
 pub use backend::{Backend, HostMatrix, PagedKvSpec, SharedBytes, StepDesc, StepSeq};
-pub use cpu::{CpuBackend, CpuKernels, CpuOptions, HostKv};
+pub use cpu::{CpuBackend, CpuKernels, CpuOptions, HostKv, SimdTier};
 pub use error::{Error, Result};
 pub use quant::{
     ActRow, BlockQ8, BlockQ8K, dequantize_row, quantize_act_row, quantize_act_row_k, quantize_row,

@@ -8,7 +8,7 @@
 
 use tandem_kernels::{
     AttnQuery, AttnShape, CpuKernels, GgmlType, Kernels, KvView, Layout, Matrix, RopeStyle,
-    RopeTable, ScalarKernels, dequantize_row, quantize_row,
+    RopeTable, ScalarKernels, SimdTier, dequantize_row, quantize_row,
 };
 
 struct Rng(u64);
@@ -25,17 +25,18 @@ impl Rng {
     }
 }
 
+/// The CPU backend at every tier this machine runs (one line per tier it lacks).
 fn backends() -> Vec<(&'static str, Box<dyn Kernels>)> {
-    let simd = CpuKernels::with_simd(true);
-    if !format!("{simd:?}").contains("simd: true") {
-        eprintln!(
-            "skipped: this CPU has no AVX2, so the SIMD kernels were not compared (only the portable ones)"
-        );
+    let mut out: Vec<(&'static str, Box<dyn Kernels>)> = Vec::new();
+    for tier in SimdTier::ALL {
+        match CpuKernels::with_simd(true).with_tier(tier) {
+            Some(k) => out.push((k.name(), Box::new(k))),
+            None => eprintln!(
+                "skipped: this CPU has no {tier}, so the {tier} kernels were not compared"
+            ),
+        }
     }
-    vec![
-        ("cpu-simd", Box::new(simd)),
-        ("cpu-portable", Box::new(CpuKernels::with_simd(false))),
-    ]
+    out
 }
 
 /// `cols` rounded up to whole blocks of `ty` (the K-quants' rows are multiples of 256).

@@ -3,13 +3,14 @@
 //! generated (`make kernel-fixtures-check` keeps them equal to what it generates):
 //! dequantization bit for bit, activation quantization bit for bit, and the integer dot
 //! product within float rounding of the exactly rounded dot of the dequantized operands.
-//! The optimized CPU kernels are held against the same dots (and against the scalar
-//! reference on many more shapes in `equivalence.rs`).
+//! The optimized CPU kernels, at every tier this machine runs, are held against the same
+//! dots (and against the scalar reference, bit for bit, on many more shapes in
+//! `equivalence.rs`, which also says which tiers it skipped).
 
 use serde_json::Value;
 use tandem_kernels::{
-    ActFormat, ActRow, BlockQ8, BlockQ8K, CpuKernels, GgmlType, Kernels, Matrix, dequantize_row,
-    quantize_act_row, quantize_act_row_k, vec_dot,
+    ActFormat, ActRow, BlockQ8, BlockQ8K, CpuKernels, GgmlType, Kernels, Matrix, SimdTier,
+    dequantize_row, quantize_act_row, quantize_act_row_k, vec_dot,
 };
 
 const FIXTURE: &str = include_str!("fixtures/quant_reference.json");
@@ -145,7 +146,8 @@ fn optimized_kernels_reach_the_same_dots() {
         let ty = ty_of(&case);
         let (w, x) = (hex(&case["weights"]), f32s(&case["x"]));
         let m = Matrix::new(ty, 1, x.len(), &w).unwrap();
-        for k in [CpuKernels::with_simd(true), CpuKernels::with_simd(false)] {
+        let tiers = SimdTier::ALL.into_iter();
+        for k in tiers.filter_map(|t| CpuKernels::with_simd(true).with_tier(t)) {
             let packed = m.to_rows8().unwrap();
             let p = Matrix::with_layout(ty, 1, x.len(), &packed, tandem_kernels::Layout::Rows8)
                 .unwrap();

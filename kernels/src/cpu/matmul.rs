@@ -126,11 +126,11 @@ impl CpuKernels {
             if let Some(s) = self.simd {
                 match fmt {
                     Some(ActFormat::Q8) => match &acts.il {
-                        Some(il) => s.gemm_rows(w, r0, il, &mut sc.tile, out),
+                        Some(il) => s.gemm_rows(w, r0, il, &mut sc.tile, out, self.avx512),
                         None => s.gemv_tokens(w, r0, &acts.q8, out),
                     },
                     Some(ActFormat::Q8K) => match &acts.ilk {
-                        Some(il) => s.gemm_rows_kquant(w, r0, il, &mut sc.tile_k, out),
+                        Some(il) => s.gemm_rows_kquant(w, r0, il, &mut sc.tile_k, out, self.avx512),
                         None => s.gemv_tokens_kquant(w, r0, &acts.q8k, out),
                     },
                     None => self.float_rows(w, r0, x, &mut sc.f, out),

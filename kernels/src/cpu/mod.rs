@@ -23,12 +23,68 @@ use crate::rope::RopeTable;
 use crate::types::GgmlType;
 
 #[cfg(target_arch = "x86_64")]
-use simd::{Avx2, TileScratch, TileScratchK};
+use simd::{Avx2, Avx512, TileScratch, TileScratchK};
 
-/// Stand-in on other architectures: never constructed, so the scalar paths run.
+/// Stand-ins on other architectures: never constructed, so the scalar paths run.
 #[cfg(not(target_arch = "x86_64"))]
 #[derive(Debug, Clone, Copy)]
 enum Avx2 {}
+#[cfg(not(target_arch = "x86_64"))]
+#[derive(Debug, Clone, Copy)]
+enum Avx512 {}
+
+/// The instruction-set tiers of the CPU backend's kernels, each a superset of the one
+/// before. Run time detection picks the best the CPU has ([`SimdTier::best`]); tests run
+/// every tier the machine has against the scalar reference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SimdTier {
+    /// Plain Rust loops (the scalar reference's arithmetic), threaded.
+    Portable,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// AVX2's kernels plus AVX-512 F/BW/VL/VNNI matrix kernels where they are faster.
+    Avx512,
+}
+
+impl SimdTier {
+    pub const ALL: [SimdTier; 3] = [SimdTier::Portable, SimdTier::Avx2, SimdTier::Avx512];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Portable => "portable",
+            Self::Avx2 => "avx2",
+            Self::Avx512 => "avx512",
+        }
+    }
+
+    /// Whether this CPU runs the tier.
+    pub fn available(self) -> bool {
+        match self {
+            Self::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => Avx2::detect().is_some(),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => Avx512::detect().is_some(),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The best tier this CPU runs.
+    pub fn best() -> Self {
+        *Self::ALL
+            .iter()
+            .rev()
+            .find(|t| t.available())
+            .unwrap_or(&Self::Portable)
+    }
+}
+
+impl std::fmt::Display for SimdTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// Per-thread scratch reused across calls so the hot loops never allocate.
 #[derive(Default)]
@@ -80,6 +136,8 @@ fn grow<T: Default + Clone>(v: &mut Vec<T>, n: usize) {
 
 pub struct CpuKernels {
     simd: Option<Avx2>,
+    /// The AVX-512 matrix kernels (only with `simd`).
+    avx512: Option<Avx512>,
     /// Multiply quantized weights with f32 activations (decoded rows) instead of Q8
     /// activation blocks: slower, but free of activation rounding, which lets tests
     /// compare a whole model against an f32 reference tightly.
@@ -97,6 +155,7 @@ impl std::fmt::Debug for CpuKernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CpuKernels")
             .field("simd", &self.simd.is_some())
+            .field("tier", &self.tier())
             .field("exact", &self.exact)
             .field("threads", &self.pool.threads())
             .finish()
@@ -138,17 +197,46 @@ impl CpuKernels {
     }
 
     fn on_pool(simd: bool, pool: &'static ThreadPool) -> Self {
-        #[cfg(target_arch = "x86_64")]
-        let simd = if simd { Avx2::detect() } else { None };
-        #[cfg(not(target_arch = "x86_64"))]
-        let simd: Option<Avx2> = {
-            let _ = simd;
-            None
+        let tier = if simd {
+            SimdTier::best()
+        } else {
+            SimdTier::Portable
         };
         Self {
-            simd,
+            simd: None,
+            avx512: None,
             exact: false,
             pool,
+        }
+        .with_tier(tier)
+        .expect("the best tier is available")
+    }
+
+    /// These kernels at `tier`, or `None` where the CPU lacks it.
+    pub fn with_tier(self, tier: SimdTier) -> Option<Self> {
+        if !tier.available() {
+            return None;
+        }
+        #[cfg(target_arch = "x86_64")]
+        let (simd, avx512) = (
+            (tier >= SimdTier::Avx2).then(Avx2::detect).flatten(),
+            (tier >= SimdTier::Avx512).then(Avx512::detect).flatten(),
+        );
+        #[cfg(not(target_arch = "x86_64"))]
+        let (simd, avx512) = (None, None);
+        Some(Self {
+            simd,
+            avx512,
+            ..self
+        })
+    }
+
+    /// The tier these kernels run.
+    pub fn tier(&self) -> SimdTier {
+        match (self.simd, self.avx512) {
+            (_, Some(_)) => SimdTier::Avx512,
+            (Some(_), None) => SimdTier::Avx2,
+            (None, None) => SimdTier::Portable,
         }
     }
 
@@ -211,11 +299,13 @@ impl Kernels for CpuKernels {
     }
 
     fn name(&self) -> &'static str {
-        match (self.simd.is_some(), self.exact) {
-            (true, false) => "cpu-avx2",
-            (false, false) => "cpu-portable",
-            (true, true) => "cpu-avx2-exact",
-            (false, true) => "cpu-portable-exact",
+        match (self.tier(), self.exact) {
+            (SimdTier::Avx512, false) => "cpu-avx512",
+            (SimdTier::Avx2, false) => "cpu-avx2",
+            (SimdTier::Portable, false) => "cpu-portable",
+            (SimdTier::Avx512, true) => "cpu-avx512-exact",
+            (SimdTier::Avx2, true) => "cpu-avx2-exact",
+            (SimdTier::Portable, true) => "cpu-portable-exact",
         }
     }
 

@@ -2,7 +2,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Avx2, Q32, RowBlocks, f16x1, sum8_i32, transpose4x8};
+use super::{Avx2, Avx512, Q32, RowBlocks, f16x1, sum8_i32, transpose4x8};
 use crate::api::Matrix;
 use crate::cpu::pool::ThreadPool;
 use crate::quant::BlockQ8;
@@ -40,7 +40,7 @@ const U5: u8 = 3;
 const S5: u8 = 4;
 
 /// Whether kind `k` has unsigned codes and an offset term `m · s` (else signed codes).
-const fn unsigned(k: u8) -> bool {
+pub(super) const fn unsigned(k: u8) -> bool {
     k == U4 || k == U5
 }
 
@@ -137,6 +137,9 @@ pub(crate) struct TileScratch {
     wa: Vec<Q32>,
     /// Signed codes (Q4_0, Q8_0).
     ws: Vec<Q32>,
+    /// Sum of each block's signed codes (the AVX-512 tile's correction for its
+    /// activations offset by 128).
+    wsum: Vec<i32>,
     d: Vec<f32>,
     m: Vec<f32>,
 }
@@ -192,21 +195,23 @@ impl Avx2 {
         il: &Interleaved,
         sc: &mut TileScratch,
         out: &mut [&mut [f32]],
+        wide: Option<Avx512>,
     ) {
         const R4: usize = TILE_4BIT.0;
         const G4: usize = TILE_4BIT.1;
         const R8: usize = TILE_8BIT.0;
         const G8: usize = TILE_8BIT.1;
         match kind(w.ty) {
-            U4 => self.gemm_rows_kind::<U4, R4, G4>(w, r0, il, sc, out),
-            S4 => self.gemm_rows_kind::<S4, R4, G4>(w, r0, il, sc, out),
-            S5 => self.gemm_rows_kind::<S5, R4, G4>(w, r0, il, sc, out),
-            U5 => self.gemm_rows_kind::<U5, R8, G8>(w, r0, il, sc, out),
-            _ => self.gemm_rows_kind::<S8, R8, G8>(w, r0, il, sc, out),
+            U4 => self.gemm_rows_kind::<U4, R4, G4>(w, r0, il, sc, out, wide),
+            S4 => self.gemm_rows_kind::<S4, R4, G4>(w, r0, il, sc, out, wide),
+            S5 => self.gemm_rows_kind::<S5, R4, G4>(w, r0, il, sc, out, wide),
+            U5 => self.gemm_rows_kind::<U5, R8, G8>(w, r0, il, sc, out, wide),
+            _ => self.gemm_rows_kind::<S8, R8, G8>(w, r0, il, sc, out, wide),
         }
     }
 
     /// [`Self::gemm_rows`] with tiles of R rows × G groups of 8 tokens.
+    #[allow(clippy::too_many_arguments)]
     fn gemm_rows_kind<const K: u8, const R: usize, const G: usize>(
         self,
         w: &Matrix<'_>,
@@ -214,6 +219,7 @@ impl Avx2 {
         il: &Interleaved,
         sc: &mut TileScratch,
         out: &mut [&mut [f32]],
+        wide: Option<Avx512>,
     ) {
         const { assert!(R <= TILE_R_MAX && G >= 1) };
         let nb = il.nb;
@@ -232,9 +238,13 @@ impl Avx2 {
                 v.resize(UNPACK_ROWS * nb, 0.0);
             }
         }
+        if sc.wsum.len() < UNPACK_ROWS * nb {
+            sc.wsum.resize(UNPACK_ROWS * nb, 0);
+        }
         let u = Unpacked {
             wa: sc.wa.as_mut_ptr(),
             ws: sc.ws.as_mut_ptr(),
+            wsum: sc.wsum.as_mut_ptr(),
             d: sc.d.as_mut_ptr(),
             m: sc.m.as_mut_ptr(),
             nb,
@@ -264,6 +274,7 @@ impl Avx2 {
                 let p = TilePtrs {
                     wa: unsafe { u.wa.add(first_row) },
                     ws: unsafe { u.ws.add(first_row) },
+                    wsum: unsafe { u.wsum.add(first_row) },
                     dw: unsafe { u.d.add(first_row) },
                     m: unsafe { u.m.add(first_row) },
                     q: il.q[at..].as_ptr(),
@@ -296,7 +307,16 @@ impl Avx2 {
                 // SAFETY (both calls): features proven by the token; the scratch holds R
                 // rows of `nb` blocks, and `il` holds `nb` blocks of 8 lanes for groups
                 // `g..g+G` when `full`, else for group `g`.
-                if full {
+                if let Some(x) = wide
+                    && g + 2 <= il.groups
+                {
+                    // SAFETY: as below, for groups g and g + 1.
+                    let res = unsafe { x.tile32::<K, R>(&p) };
+                    for (gg, half) in x.halves(&res).iter().enumerate() {
+                        store(gg, half);
+                    }
+                    g += 2;
+                } else if full {
                     let res = unsafe { tile::<K, R, G>(&p) };
                     for (gg, _) in res[0].iter().enumerate() {
                         let col: [__m256; R] = std::array::from_fn(|i| res[i][gg]);
@@ -385,6 +405,7 @@ unsafe fn codes<const K: u8>(blk: *const u8) -> __m256i {
 struct Unpacked {
     wa: *mut Q32,
     ws: *mut Q32,
+    wsum: *mut i32,
     d: *mut f32,
     m: *mut f32,
     nb: usize,
@@ -405,6 +426,15 @@ unsafe fn unpack_block<const K: u8>(blk: *const u8, u: &Unpacked, i: usize, b: u
             _mm256_store_si256(u.wa.add(at).cast(), _mm256_abs_epi8(c));
             _mm256_store_si256(u.ws.add(at).cast(), c);
             *u.m.add(at) = 0.0;
+            // Σ c: pairs widened by maddubs(1, c), then i32 lanes summed.
+            let p = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(_mm256_set1_epi8(1), c),
+                _mm256_set1_epi16(1),
+            );
+            let q = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256::<1>(p));
+            let q = _mm_add_epi32(q, _mm_shuffle_epi32::<0b01_00_11_10>(q));
+            *u.wsum.add(at) =
+                _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32::<0b10_11_00_01>(q)));
         }
         *u.d.add(at) = f16x1(blk);
     }
@@ -531,15 +561,16 @@ unsafe fn gemv8<const K: u8>(
 
 /// Pointers into a tile's unpacked weights (see [`unpack_row`], rows `nb` apart) and a
 /// token group's interleaved activations (see [`Interleaved`], groups `8·nb` apart).
-struct TilePtrs {
-    wa: *const Q32,
-    ws: *const Q32,
-    dw: *const f32,
-    m: *const f32,
-    q: *const Q32,
-    d: *const f32,
-    s: *const f32,
-    nb: usize,
+pub(super) struct TilePtrs {
+    pub(super) wa: *const Q32,
+    pub(super) ws: *const Q32,
+    pub(super) wsum: *const i32,
+    pub(super) dw: *const f32,
+    pub(super) m: *const f32,
+    pub(super) q: *const Q32,
+    pub(super) d: *const f32,
+    pub(super) s: *const f32,
+    pub(super) nb: usize,
 }
 
 /// R unpacked rows × G groups of 8 tokens: see the module docs for the float steps.

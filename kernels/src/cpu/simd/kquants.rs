@@ -20,23 +20,23 @@
 
 use std::arch::x86_64::*;
 
-use super::{Avx2, Q32, RowBlocks, f16x1, sum8_i32, transpose4x8};
+use super::{Avx2, Avx512, Q32, RowBlocks, f16x1, sum8_i32, transpose4x8};
 use crate::api::Matrix;
 use crate::cpu::pool::ThreadPool;
 use crate::quant::{BlockQ8K, q8k_scale};
 use crate::types::{GgmlType, QK_K};
 
 /// Rows of the batch kernel's register tile (one group of 8 tokens per tile).
-const TILE_ROWS: usize = 4;
+pub(super) const TILE_ROWS: usize = 4;
 /// Weight rows unpacked at a time: one [`crate::api::Layout::Rows8`] group.
 const UNPACK_ROWS: usize = 8;
 /// Scale words per unpacked super-block: one per step of [`KFormat::STEP`] quads (at most
 /// 64 / 2).
-const STEPS_MAX: usize = 32;
+pub(super) const STEPS_MAX: usize = 32;
 
 /// Where a K-quant's parts lie and how its codes and scales are extracted. Every method
 /// reads exactly one super-block of `BYTES` bytes at `blk`.
-trait KFormat {
+pub(super) trait KFormat {
     const TY: GgmlType;
     const BYTES: usize;
     /// Byte offsets of the f16 super-scales `d` and `dmin` (`None`: no mins).
@@ -413,13 +413,13 @@ unsafe fn gemv8<F: KFormat>(
 /// 32-code sums `2p, 2p+1`.
 #[derive(Debug, Default)]
 pub(crate) struct InterleavedK {
-    nb: usize,
-    groups: usize,
+    pub(super) nb: usize,
+    pub(super) groups: usize,
     n_tok: usize,
-    q: Vec<Q32>,
-    d: Vec<f32>,
-    b16: Vec<Q32>,
-    b32: Vec<Q32>,
+    pub(super) q: Vec<Q32>,
+    pub(super) d: Vec<f32>,
+    pub(super) b16: Vec<Q32>,
+    pub(super) b32: Vec<Q32>,
 }
 
 impl InterleavedK {
@@ -492,13 +492,13 @@ fn put_pair(v: &mut Q32, l: usize, pair: [i16; 2]) {
 #[derive(Debug, Default)]
 pub(crate) struct TileScratchK {
     /// 8 vectors of codes per entry.
-    codes: Vec<Q32>,
+    pub(super) codes: Vec<Q32>,
     /// [`STEPS_MAX`] scale words (`sc | sc << 16`) per entry, one per step of STEP quads.
-    steps: Vec<i32>,
+    pub(super) steps: Vec<i32>,
     /// The 8 offset words of [`KFormat::offsets`] per entry.
-    offs: Vec<i32>,
-    d: Vec<f32>,
-    dmin: Vec<f32>,
+    pub(super) offs: Vec<i32>,
+    pub(super) d: Vec<f32>,
+    pub(super) dmin: Vec<f32>,
 }
 
 impl TileScratchK {
@@ -688,8 +688,9 @@ impl Avx2 {
         il: &InterleavedK,
         sc: &mut TileScratchK,
         out: &mut [&mut [f32]],
+        wide: Option<Avx512>,
     ) {
-        with_kformat!(w.ty, F => self.gemm_rows_f::<F>(w, r0, il, sc, out))
+        with_kformat!(w.ty, F => self.gemm_rows_f::<F>(w, r0, il, sc, out, wide))
     }
 
     fn gemm_rows_f<F: KFormat>(
@@ -699,6 +700,7 @@ impl Avx2 {
         il: &InterleavedK,
         sc: &mut TileScratchK,
         out: &mut [&mut [f32]],
+        wide: Option<Avx512>,
     ) {
         const R: usize = TILE_ROWS;
         const { assert!(UNPACK_ROWS.is_multiple_of(R)) };
@@ -728,13 +730,41 @@ impl Avx2 {
             }
             let first = rt % UNPACK_ROWS * nb;
             let rows_here = R.min(nr - rt);
-            for g in 0..il.groups {
+            let mut g = 0;
+            while g < il.groups {
                 // SAFETY: features proven by the token; entries first..first + R·nb lie
                 // inside the UNPACK_ROWS·nb unpacked (R divides UNPACK_ROWS), and `il`
-                // holds group g.
-                let res = unsafe { tile::<F, R>(sc, first, il, g) };
+                // holds group g (and g + 1 for the AVX-512 tile).
+                let (res, n_groups) = match wide {
+                    Some(x) if g + 2 <= il.groups => {
+                        let r = unsafe { x.tile_k::<F, R>(sc, first, il, g) };
+                        (x.halves(&r).to_vec(), 2)
+                    }
+                    _ => (vec![unsafe { tile::<F, R>(sc, first, il, g) }], 1),
+                };
+                for (gg, res) in res.iter().enumerate() {
+                    self.store_tile(res, g + gg, il.n_tok, rows_here, rt, out);
+                }
+                g += n_groups;
+            }
+            rt += R;
+        }
+    }
+
+    /// One tile's results (lane l of row i: token 8·g + l) into `out[t][rt + i]`.
+    fn store_tile(
+        self,
+        res: &[__m256; TILE_ROWS],
+        g: usize,
+        n_tok: usize,
+        rows_here: usize,
+        rt: usize,
+        out: &mut [&mut [f32]],
+    ) {
+        {
+            {
                 let t0 = g * 8;
-                let n_here = (il.n_tok - t0).min(8);
+                let n_here = (n_tok - t0).min(8);
                 if rows_here == 4 {
                     // SAFETY: features proven by the token.
                     let tr = unsafe { transpose4x8(res[0], res[1], res[2], res[3]) };
@@ -751,7 +781,6 @@ impl Avx2 {
                     }
                 }
             }
-            rt += R;
         }
     }
 

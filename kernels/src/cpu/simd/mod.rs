@@ -29,6 +29,7 @@
 #![allow(unsafe_code)]
 
 mod attention;
+mod avx512;
 mod blocks32;
 mod elementwise;
 mod kquants;
@@ -104,6 +105,28 @@ impl Avx2 {
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c");
         ok.then_some(Avx2(()))
+    }
+}
+
+/// Proof that AVX-512 F, BW, VL and VNNI are available, and AVX2, FMA and F16C with
+/// them (Cascade Lake and later Xeons, Zen 4 and later; Skylake-X lacks VNNI and runs
+/// the AVX2 tier).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Avx512(Avx2);
+
+impl Avx512 {
+    pub(crate) fn detect() -> Option<Self> {
+        let avx2 = Avx2::detect()?;
+        let ok = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni");
+        ok.then_some(Avx512(avx2))
+    }
+
+    #[allow(dead_code)]
+    pub(crate) fn avx2(self) -> Avx2 {
+        self.0
     }
 }
 
