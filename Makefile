@@ -109,17 +109,22 @@ bench-local: model
 	cat /proc/loadavg
 
 ## bench-vs-llamacpp: Tandem (--role both --max-batch 32) side by side with llama.cpp's
-## llama-server (-np 32, continuous batching) on SmolLM2, same prompts and threads, the two
-## servers alternating: tok/s and TTFT at C=1/8/32, TTFT with a shared ~400-token system
-## prompt. Builds llama-server from source once (scripts/build-llama-server.sh, cached in
-## .cache/llama.cpp). Not part of `test`. BENCH_ARGS passes options (e.g. --reps 5 --threads 4).
+## llama-server (-np 32, continuous batching), same model, prompts and threads, the two
+## servers alternating: tok/s and TTFT at C=1/8/32, peak RSS against file + KV pool, TTFT
+## with a shared ~400-token system prompt; prints the issue's targets and draws tok/s
+## against concurrency as docs/bench-vs-llamacpp-<model>.svg. MODEL= picks the GGUF (a file
+## in .cache/models or a path; default SmolLM2-135M Q4_1), e.g.
+## MODEL=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf. Builds llama-server from source once
+## (scripts/build-llama-server.sh, cached in .cache/llama.cpp). Not part of `test`.
+## BENCH_ARGS passes options (e.g. --reps 5 --threads 4 --concurrency 1,2,4,8,16,32).
+BENCH_MODEL = $(if $(MODEL),$(if $(wildcard $(MODEL)),$(MODEL),$(MODEL_DIR)/$(MODEL)),$(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf)
 bench-vs-llamacpp: model llama-server
 	@start=$$(date +%s); \
 	nice -n 10 cargo build --release -p tandem-dataplane --bin tandem-dataplane --example bench_vs_llamacpp \
 	  && ./target/release/examples/bench_vs_llamacpp \
 	    --tandem target/release/tandem-dataplane \
 	    --llama-server "$$(scripts/build-llama-server.sh --path)" \
-	    --model $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf $(BENCH_ARGS); \
+	    --model $(BENCH_MODEL) $(BENCH_ARGS); \
 	rc=$$?; echo "bench-vs-llamacpp: benchmark part took $$(( $$(date +%s) - start )) s"; exit $$rc
 
 ## bench-prefix: the prefix cache over HTTP: TTFT of a request whose ~400-token system prompt
