@@ -127,7 +127,7 @@ impl CpuKernels {
                 match fmt {
                     Some(ActFormat::Q8) => match &acts.il {
                         Some(il) => s.gemm_rows(w, r0, il, &mut sc.tile, out, self.avx512),
-                        None => s.gemv_tokens(w, r0, &acts.q8, out),
+                        None => s.gemv_tokens(w, r0, &acts.q8, out, self.avx512),
                     },
                     Some(ActFormat::Q8K) => match &acts.ilk {
                         Some(il) => s.gemm_rows_kquant(w, r0, il, &mut sc.tile_k, out, self.avx512),

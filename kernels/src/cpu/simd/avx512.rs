@@ -13,9 +13,13 @@
 
 use std::arch::x86_64::*;
 
-use super::blocks32::{TilePtrs, unsigned};
+use super::blocks32::{
+    S5, S8, TilePtrs, U5, block_scales, codes, layout, nibbles, offset, sum_i8, ucodes, unsigned,
+};
 use super::kquants::{InterleavedK, KFormat, STEPS_MAX, TILE_ROWS, TileScratchK};
+use super::sum8_i32;
 use super::{Avx512, Q32};
+use crate::quant::BlockQ8;
 
 /// Two 8-lane halves at `lo` and `hi` as one 16-lane vector.
 #[inline]
@@ -43,6 +47,23 @@ unsafe fn load2_ps(lo: *const f32, hi: *const f32) -> __m512 {
 }
 
 impl Avx512 {
+    /// The AVX2 single-token kernel's 8 rows × one token (`blocks32::gemv8`) with the Q5
+    /// high bits from a mask register and `vpdpbusd` for the block sums.
+    ///
+    /// # Safety
+    /// As `blocks32::gemv8`: `nb` blocks of kind K `stride` apart behind every row
+    /// pointer, `nb` activation blocks behind `act`.
+    pub(super) unsafe fn gemv8<const K: u8>(
+        self,
+        rows: [*const u8; 8],
+        stride: usize,
+        act: *const BlockQ8,
+        nb: usize,
+    ) -> __m256 {
+        // SAFETY: the token proves the target features; the rest is the caller's.
+        unsafe { gemv8::<K>(rows, stride, act, nb) }
+    }
+
     /// Each 16-lane result as its two 8-lane halves (tokens of the first group, then of
     /// the second), the shape the AVX2 tiles' stores take.
     pub(super) fn halves<const R: usize>(self, res: &[__m512; R]) -> [[__m256; R]; 2] {
@@ -220,4 +241,67 @@ unsafe fn tile_k<F: KFormat, const R: usize>(
         }
     }
     acc
+}
+
+/// The stored unsigned codes of a block of kind K (`blocks32::ucodes`; Q8_0's offset by
+/// 128), the Q5 kinds' bit 4 of each code from its `qh` word through a mask register (two
+/// instructions where AVX2 needs six).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn ucodes512<const K: u8>(blk: *const u8) -> __m256i {
+    let off = layout(K).1;
+    // SAFETY: the caller passes a whole block of kind K; a Q5 block's `qh` word lies right
+    // before its nibbles.
+    unsafe {
+        if K == U5 || K == S5 {
+            let qh = blk.add(off - 4).cast::<u32>().read_unaligned();
+            let hb = _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10));
+            _mm256_or_si256(nibbles(blk.add(off)), hb)
+        } else if K == S8 {
+            _mm256_xor_si256(codes::<K>(blk), _mm256_set1_epi8(-128))
+        } else {
+            ucodes::<K>(blk)
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn gemv8<const K: u8>(
+    rows: [*const u8; 8],
+    stride: usize,
+    act: *const BlockQ8,
+    nb: usize,
+) -> __m256 {
+    let mut acc = _mm256_setzero_ps();
+    let mut accm = _mm256_setzero_ps();
+    let zero = _mm256_setzero_si256();
+    for b in 0..nb {
+        // SAFETY: b < nb; the caller guarantees nb blocks behind every row pointer and
+        // behind `act`.
+        unsafe {
+            let a = &*act.add(b);
+            let av = _mm256_loadu_si256(a.qs.as_ptr().cast());
+            // Unsigned codes against the activations, `o · Σa` taken off for the signed
+            // kinds (o = 8, 16, or 128 for Q8_0's codes offset by 128).
+            let p: [__m256i; 8] = std::array::from_fn(|r| {
+                _mm256_dpbusd_epi32(zero, ucodes512::<K>(rows[r].add(b * stride)), av)
+            });
+            let mut isum = sum8_i32(p);
+            let o = if K == S8 { 128 } else { offset(K) };
+            if o != 0 {
+                isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(o * sum_i8(av)));
+            }
+            let (dw, mw) = block_scales::<K>(rows, b * stride);
+            let scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
+            if unsigned(K) {
+                accm = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s), accm);
+            }
+        }
+    }
+    if unsigned(K) {
+        _mm256_add_ps(acc, accm)
+    } else {
+        acc
+    }
 }

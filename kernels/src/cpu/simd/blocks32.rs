@@ -26,18 +26,18 @@ const UNPACK_ROWS: usize = 8;
 
 /// Kinds of quantized weights, as const parameters of the kernels.
 /// Q4_1: unsigned codes 0..15 (`value = q·d + m`), i16 block sums.
-const U4: u8 = 0;
+pub(super) const U4: u8 = 0;
 
 /// Q4_0: signed codes -8..7 through the sign trick, i16 block sums.
-const S4: u8 = 1;
+pub(super) const S4: u8 = 1;
 
 /// Q8_0: signed codes through the sign trick; |pair| can reach 32512, so i32 block sums.
-const S8: u8 = 2;
+pub(super) const S8: u8 = 2;
 /// Q5_1: unsigned codes 0..31 (`value = q·d + m`); |pair| ≤ 2·31·127 = 7874, so i32 sums.
-const U5: u8 = 3;
+pub(super) const U5: u8 = 3;
 /// Q5_0: signed codes -16..15 through the sign trick; |pair| ≤ 2·16·127 = 4064, so eight
 /// of them (32512) still fit the i16 block sums.
-const S5: u8 = 4;
+pub(super) const S5: u8 = 4;
 
 /// Whether kind `k` has unsigned codes and an offset term `m · s` (else signed codes).
 pub(super) const fn unsigned(k: u8) -> bool {
@@ -49,7 +49,7 @@ const fn wide(k: u8) -> bool {
     k == S8 || k == U5
 }
 
-fn kind(ty: GgmlType) -> u8 {
+pub(super) fn kind(ty: GgmlType) -> u8 {
     match ty {
         GgmlType::Q4_1 => U4,
         GgmlType::Q4_0 => S4,
@@ -155,6 +155,7 @@ impl Avx2 {
         r0: usize,
         act: &[BlockQ8],
         out: &mut [&mut [f32]],
+        wide: Option<Avx512>,
     ) {
         let nr = out.first().map_or(0, |o| o.len());
         let nb = act.len() / out.len().max(1);
@@ -170,13 +171,22 @@ impl Avx2 {
                 // SAFETY: the token proves the target features; each pointer starts row
                 // r < w.rows, whose `nb` blocks of `ty` lie `stride` apart inside
                 // `w.data` (`RowBlocks::new` checked the size), and `a` holds `nb` blocks.
+                let (st, ap) = (rows.stride, a.as_ptr());
+                macro_rules! go {
+                    ($k:ident) => {
+                        match wide {
+                            Some(x) => x.gemv8::<$k>(ptrs, st, ap, nb),
+                            None => gemv8::<$k>(ptrs, st, ap, nb),
+                        }
+                    };
+                }
                 let r = unsafe {
                     match kind(w.ty) {
-                        U4 => gemv8::<U4>(ptrs, rows.stride, a.as_ptr(), nb),
-                        S4 => gemv8::<S4>(ptrs, rows.stride, a.as_ptr(), nb),
-                        U5 => gemv8::<U5>(ptrs, rows.stride, a.as_ptr(), nb),
-                        S5 => gemv8::<S5>(ptrs, rows.stride, a.as_ptr(), nb),
-                        _ => gemv8::<S8>(ptrs, rows.stride, a.as_ptr(), nb),
+                        U4 => go!(U4),
+                        S4 => go!(S4),
+                        U5 => go!(U5),
+                        S5 => go!(S5),
+                        _ => go!(S8),
                     }
                 };
                 // SAFETY: __m256 and [f32; 8] have the same size and any bits are valid.
@@ -338,7 +348,7 @@ impl Avx2 {
 /// The 32 nibbles of a Q4 block in element order (low nibbles first), as bytes 0..15.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles(p: *const u8) -> __m256i {
+pub(super) unsafe fn nibbles(p: *const u8) -> __m256i {
     // SAFETY: the caller passes a pointer to 16 readable bytes.
     let raw = unsafe { _mm_loadu_si128(p.cast()) };
     let mask = _mm_set1_epi8(0x0f);
@@ -348,7 +358,7 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
 }
 
 /// Block layout of each kind: bytes per block, offset of the codes.
-const fn layout(k: u8) -> (usize, usize) {
+pub(super) const fn layout(k: u8) -> (usize, usize) {
     match k {
         U4 => (20, 4),
         S4 => (18, 2),
@@ -378,10 +388,52 @@ unsafe fn high_bits(p: *const u8) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(0x10))
 }
 
+/// What the codes of a signed 4- or 5-bit kind are offset by (value = (q − o)·d): the
+/// single-token kernels multiply the stored unsigned `q` ([`ucodes`]) and take `o · Σa`
+/// off each block sum, the activations' code sum being one per block for all 8 rows,
+/// which spares the sign trick per row: Σ (q − o)·a = Σ q·a − o·Σa, exactly.
+pub(super) const fn offset(k: u8) -> i32 {
+    match k {
+        S4 => 8,
+        S5 => 16,
+        _ => 0,
+    }
+}
+
+/// The stored unsigned codes of a block of kind S4 or S5 (0..15, 0..31); the other kinds'
+/// [`codes`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn ucodes<const K: u8>(blk: *const u8) -> __m256i {
+    let off = layout(K).1;
+    // SAFETY: the caller passes a whole block of kind K.
+    unsafe {
+        match K {
+            S4 => nibbles(blk.add(off)),
+            S5 => _mm256_or_si256(nibbles(blk.add(off)), high_bits(blk.add(off - 4))),
+            _ => codes::<K>(blk),
+        }
+    }
+}
+
+/// The sum of the 32 signed bytes of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn sum_i8(v: __m256i) -> i32 {
+    // Σ (a + 128) over each 8 bytes as u64 lanes, then 32 · 128 taken off.
+    let s = _mm256_sad_epu8(
+        _mm256_xor_si256(v, _mm256_set1_epi8(-128)),
+        _mm256_setzero_si256(),
+    );
+    let s = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+    let s = _mm_add_epi64(s, _mm_unpackhi_epi64(s, s));
+    _mm_cvtsi128_si32(s) - 32 * 128
+}
+
 /// Signed codes of block `blk` (S4, S5, S8) or unsigned codes (U4, U5).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn codes<const K: u8>(blk: *const u8) -> __m256i {
+pub(super) unsafe fn codes<const K: u8>(blk: *const u8) -> __m256i {
     let off = layout(K).1;
     // SAFETY: the caller passes a whole block of kind K; the Q5 kinds' `qh` word lies
     // right before their nibbles.
@@ -484,6 +536,46 @@ fn sum8_i16(p: [__m256i; 8]) -> __m256i {
     _mm256_add_epi32(lo, hi)
 }
 
+/// The scales `d` (and offsets `m`, else 0) of block `at` bytes into each of 8 rows, as
+/// 8 f32 lanes each.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn block_scales<const K: u8>(
+    rows: [*const u8; 8],
+    at: usize,
+) -> (__m256, __m256) {
+    // SAFETY: the caller passes 8 rows with a whole block of kind K at `at`.
+    unsafe {
+        let r = |k: usize| rows[k].add(at);
+        if unsigned(K) {
+            let dm = _mm256_setr_epi32(
+                r(0).cast::<i32>().read_unaligned(),
+                r(1).cast::<i32>().read_unaligned(),
+                r(2).cast::<i32>().read_unaligned(),
+                r(3).cast::<i32>().read_unaligned(),
+                r(4).cast::<i32>().read_unaligned(),
+                r(5).cast::<i32>().read_unaligned(),
+                r(6).cast::<i32>().read_unaligned(),
+                r(7).cast::<i32>().read_unaligned(),
+            );
+            // Per 128-bit half: the 4 d's into bytes 0..8, the 4 m's into 8..16.
+            let split = _mm256_setr_epi8(
+                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2,
+                3, 6, 7, 10, 11, 14, 15,
+            );
+            let v = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(dm, split));
+            (
+                _mm256_cvtph_ps(_mm256_castsi256_si128(v)),
+                _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(v)),
+            )
+        } else {
+            let h = |k: usize| r(k).cast::<i16>().read_unaligned();
+            let d = _mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
+            (_mm256_cvtph_ps(d), _mm256_setzero_ps())
+        }
+    }
+}
+
 /// 8 rows (lanes, blocks `stride` bytes apart) times one token: see the module docs for
 /// the float steps.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -503,48 +595,32 @@ unsafe fn gemv8<const K: u8>(
             let a = &*act.add(b);
             let av = _mm256_loadu_si256(a.qs.as_ptr().cast());
             let mut p = [_mm256_setzero_si256(); 8];
+            // Q4_0 / Q5_0: their codes without the offset (see `offset`), so i32 sums
+            // for Q5_0 (pairs up to 2·31·127).
+            let wide_here = wide(K) || K == S5;
             for (r, pr) in p.iter_mut().enumerate() {
                 let blk = rows[r].add(b * stride);
-                let c = codes::<K>(blk);
-                let pairs = if unsigned(K) {
-                    _mm256_maddubs_epi16(c, av)
+                let pairs = if offset(K) != 0 {
+                    _mm256_maddubs_epi16(ucodes::<K>(blk), av)
                 } else {
-                    _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(av, c))
+                    let c = codes::<K>(blk);
+                    if unsigned(K) {
+                        _mm256_maddubs_epi16(c, av)
+                    } else {
+                        _mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(av, c))
+                    }
                 };
-                *pr = if wide(K) {
+                *pr = if wide_here {
                     _mm256_madd_epi16(pairs, ones)
                 } else {
                     pairs
                 };
             }
-            let isum = if wide(K) { sum8_i32(p) } else { sum8_i16(p) };
-            let r = |k: usize| rows[k].add(b * stride);
-            let (dw, mw) = if unsigned(K) {
-                let dm = _mm256_setr_epi32(
-                    r(0).cast::<i32>().read_unaligned(),
-                    r(1).cast::<i32>().read_unaligned(),
-                    r(2).cast::<i32>().read_unaligned(),
-                    r(3).cast::<i32>().read_unaligned(),
-                    r(4).cast::<i32>().read_unaligned(),
-                    r(5).cast::<i32>().read_unaligned(),
-                    r(6).cast::<i32>().read_unaligned(),
-                    r(7).cast::<i32>().read_unaligned(),
-                );
-                // Per 128-bit half: the 4 d's into bytes 0..8, the 4 m's into 8..16.
-                let split = _mm256_setr_epi8(
-                    0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13,
-                    2, 3, 6, 7, 10, 11, 14, 15,
-                );
-                let v = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(dm, split));
-                (
-                    _mm256_cvtph_ps(_mm256_castsi256_si128(v)),
-                    _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(v)),
-                )
-            } else {
-                let h = |k: usize| r(k).cast::<i16>().read_unaligned();
-                let d = _mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
-                (_mm256_cvtph_ps(d), _mm256_setzero_ps())
-            };
+            let mut isum = if wide_here { sum8_i32(p) } else { sum8_i16(p) };
+            if offset(K) != 0 {
+                isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset(K) * sum_i8(av)));
+            }
+            let (dw, mw) = block_scales::<K>(rows, b * stride);
             let scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.d));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
             if unsigned(K) {
