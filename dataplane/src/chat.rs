@@ -7,10 +7,30 @@ use crate::{Error, Result};
 
 const TEMPLATE_NAME: &str = "chat";
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One message as the template sees it (validated by `server::messages`): absent fields
+/// are left out, so a template's `message.tool_calls is defined` tests work as with HF.
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
 pub struct ChatMessage {
     pub role: String,
-    pub content: String,
+    /// `None` only on an assistant turn that carries tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message with text content.
+    pub fn text(role: &str, content: &str) -> Self {
+        Self {
+            role: role.into(),
+            content: Some(content.into()),
+            ..Self::default()
+        }
+    }
 }
 
 pub struct ChatTemplate {
@@ -45,18 +65,41 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Render as HF's `apply_chat_template` does: `messages`, `tools` (none when absent,
+    /// so `{% if tools %}` is false), `add_generation_prompt`, `bos_token`, `eos_token`.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| template_error("template missing", &e))?;
         tmpl.render(context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
         })
         .map_err(|e| template_error("rendering failed", &e))
     }
+}
+
+/// A `--chat-template` file: readable, UTF-8, and a template that compiles.
+pub fn read_template_file(path: &std::path::Path) -> Result<String> {
+    let src = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    ChatTemplate::new(&src, "", "")
+        .map_err(|e| Error::config(format!("--chat-template {}", path.display()), e.to_string()))?;
+    Ok(src)
 }
 
 fn template_error(what: &str, e: &minijinja::Error) -> Error {
@@ -76,13 +119,7 @@ mod tests {
     use super::*;
 
     fn msgs(pairs: &[(&str, &str)]) -> Vec<ChatMessage> {
-        pairs
-            .iter()
-            .map(|(r, c)| ChatMessage {
-                role: r.to_string(),
-                content: c.to_string(),
-            })
-            .collect()
+        pairs.iter().map(|(r, c)| ChatMessage::text(r, c)).collect()
     }
 
     const CHATML: &str = "{{ bos_token }}{% for m in messages %}\n<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}\n{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
