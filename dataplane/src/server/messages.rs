@@ -141,9 +141,8 @@ fn content(field: &str, v: &Value) -> R<String> {
 }
 
 /// An assistant turn's tool calls, each `{"type": "function", "function": {"name": ...,
-/// "arguments": ...}}`. The arguments, a JSON string in OpenAI's API, are given to the
-/// template as the object they encode (as vLLM and llama.cpp do: templates such as
-/// Qwen's write `arguments | tojson`); a string that is not JSON stays a string.
+/// "arguments": ...}}` (the template gets the arguments as the object their JSON string
+/// encodes: `chat::ChatTemplate`).
 fn tool_calls(field: &str, calls: &[Value]) -> R<Value> {
     let mut out = Vec::with_capacity(calls.len());
     for (j, c) in calls.iter().enumerate() {
@@ -162,10 +161,15 @@ fn tool_calls(field: &str, calls: &[Value]) -> R<Value> {
             None | Some(Value::Null) => return Err(missing(&format!("{f}.function.name"))),
             Some(v) => return Err(wrong(&format!("{f}.function.name"), "a string", v)),
         }
-        if let Some(Value::String(args)) = func.get("arguments")
-            && let Ok(parsed) = serde_json::from_str::<Value>(args)
-        {
-            func.insert("arguments".into(), parsed);
+        match func.get("arguments") {
+            None | Some(Value::Null | Value::String(_) | Value::Object(_)) => {}
+            Some(v) => {
+                return Err(wrong(
+                    &format!("{f}.function.arguments"),
+                    "a JSON string",
+                    v,
+                ));
+            }
         }
         out.push(Value::Object(c));
     }
@@ -226,7 +230,7 @@ mod tests {
     }
 
     #[test]
-    fn tool_turns_parse_and_arguments_become_objects() {
+    fn tool_turns_parse() {
         let m = parse_json(json!({"messages": [
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
             {"role": "assistant", "content": null, "tool_calls": [
@@ -238,8 +242,11 @@ mod tests {
         assert_eq!(m[1].content, None);
         assert_eq!(
             m[1].tool_calls.as_ref().unwrap()[0]["function"]["arguments"],
-            json!({"x": 1})
+            "{\"x\": 1}"
         );
+        let (p, _) = refused(json!({"messages": [{"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": 3}}]}]}));
+        assert_eq!(p, "messages[0].tool_calls[0].function.arguments");
         assert_eq!(m[2].tool_call_id.as_deref(), Some("c1"));
     }
 }
