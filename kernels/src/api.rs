@@ -290,9 +290,11 @@ pub(crate) fn check_matmul(
 pub trait Kernels: Send + Sync {
     fn name(&self) -> &'static str;
 
-    /// The pool this backend spreads its work over, for callers that parallelize work
-    /// around the kernels (KV stores, sampling) on the same threads; `None`: it has none.
-    fn thread_pool(&self) -> Option<&'static crate::cpu::ThreadPool> {
+    /// How many threads (the calling one included) this implementation spreads its work
+    /// over, so that a host backend runs the work around the kernels (KV stores,
+    /// sampling) on as many; `None`: no preference (one per core). A count, not a pool:
+    /// this trait is backend-neutral and names no backend's types.
+    fn parallelism(&self) -> Option<usize> {
         None
     }
 

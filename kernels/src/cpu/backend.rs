@@ -111,9 +111,10 @@ impl std::fmt::Debug for CpuBackend {
 }
 
 impl CpuBackend {
-    /// On `kernels`, sharing their pool (the global pool for kernels without one).
+    /// On `kernels`, sharing their pool: the shared pool of the size they run on
+    /// ([`Kernels::parallelism`]; the global pool for kernels without a preference).
     pub fn new(kernels: Arc<dyn Kernels>) -> Self {
-        let pool = kernels.thread_pool().unwrap_or_else(ThreadPool::global);
+        let pool = ThreadPool::shared(kernels.parallelism());
         Self { kernels, pool }
     }
 
@@ -515,6 +516,25 @@ mod tests {
             block_tokens: 4,
             n_blocks,
         }
+    }
+
+    #[test]
+    fn the_backend_runs_on_the_pool_of_its_kernels() {
+        use crate::cpu::{CpuKernels, CpuOptions};
+        let k = CpuKernels::with_options(CpuOptions {
+            threads: Some(3),
+            simd: true,
+        });
+        let pool = k.pool();
+        assert!(std::ptr::eq(CpuBackend::new(Arc::new(k)).pool(), pool));
+        // Kernels without a preference (the scalar reference): the global pool.
+        let b = CpuBackend::new(Arc::new(ScalarKernels));
+        assert!(std::ptr::eq(b.pool(), ThreadPool::global()));
+        let k = CpuKernels::new();
+        assert!(std::ptr::eq(
+            CpuBackend::new(Arc::new(k)).pool(),
+            ThreadPool::global()
+        ));
     }
 
     #[test]

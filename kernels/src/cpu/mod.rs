@@ -317,8 +317,10 @@ impl CpuKernels {
 }
 
 impl Kernels for CpuKernels {
-    fn thread_pool(&self) -> Option<&'static ThreadPool> {
-        Some(self.pool)
+    /// Its pool's size: `ThreadPool::shared` keeps one pool per size, so a backend asking
+    /// for this many threads gets this very pool.
+    fn parallelism(&self) -> Option<usize> {
+        Some(self.pool.threads())
     }
 
     /// Block-quantized weights interleaved 8 rows at a time for the SIMD kernels, which
