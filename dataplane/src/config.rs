@@ -123,6 +123,10 @@ pub struct Config {
     /// Name clients use in `model`; defaults to the model file name without `.gguf`.
     #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
+    /// Jinja chat template file for `/v1/chat/completions`, instead of the model's own
+    /// `tokenizer.chat_template` (needed for a model that has none, such as a base model).
+    #[arg(long, env = "TANDEM_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
     /// Compute device: `cpu`, or `cuda` / `cuda:N` in a build with feature `cuda`.
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: Device,
@@ -302,6 +306,9 @@ impl Config {
                 check_peer(peer)?;
             }
         }
+        if let Some(t) = &self.chat_template {
+            crate::chat::read_template_file(t)?;
+        }
         check_model_file(&self.model)
     }
 
@@ -419,7 +426,7 @@ fn check_model_file(path: &std::path::Path) -> crate::Result<()> {
             format!("{} is not a GGUF file", path.display()),
         ));
     }
-    Ok(())
+    crate::model::support::check_file(path)
 }
 
 /// Seconds the parsers below accepted (finite, not negative, not absurdly large).
@@ -570,7 +577,8 @@ mod tests {
 
     #[test]
     fn check_refuses_what_would_fail_at_start_naming_the_setting() {
-        let gguf = FakeModel::new("ok.gguf", b"GGUF\x03\0\0\0");
+        let tiny = crate::model::synthetic::TinyLlama::default().to_bytes();
+        let gguf = FakeModel::new("ok.gguf", &tiny);
         let text = FakeModel::new("text.gguf", b"hello");
         let check = |args: &[&str]| {
             let mut all = vec!["x"];

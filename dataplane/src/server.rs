@@ -3,6 +3,7 @@
 mod api_error;
 mod completions;
 mod fields;
+mod messages;
 mod output;
 mod params;
 #[cfg(test)]

@@ -179,6 +179,7 @@ fn main() {
         n_heads: 9,
         n_kv_heads: 3,
         head_dim: 64,
+        window: None,
     };
     let levels: Vec<usize> = std::env::var("ATTN_C")
         .ok()

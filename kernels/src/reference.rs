@@ -35,6 +35,19 @@ pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
+/// GELU with the tanh approximation (HF's `gelu_pytorch_tanh`, ggml's `gelu`).
+pub(crate) fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh())
+}
+
+pub(crate) fn check_glu(op: &'static str, gate: &[f32], up: &[f32]) -> Result<()> {
+    if gate.len() != up.len() {
+        return Err(shape(op, format!("{} vs {}", gate.len(), up.len())));
+    }
+    Ok(())
+}
+
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
@@ -101,6 +114,15 @@ impl Kernels for ScalarKernels {
         Ok(())
     }
 
+    fn rmsnorm_in_place(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<()> {
+        check_rmsnorm_in_place(x, w)?;
+        for xs in x.chunks_exact_mut(w.len()) {
+            let ss: f32 = xs.iter().map(|v| v * v).sum();
+            rmsnorm_apply_in_place(xs, w, ss, eps);
+        }
+        Ok(())
+    }
+
     fn rope(
         &self,
         x: &mut [f32],
@@ -119,11 +141,17 @@ impl Kernels for ScalarKernels {
     }
 
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
-        if gate.len() != up.len() {
-            return Err(shape("silu_mul", format!("{} vs {}", gate.len(), up.len())));
-        }
+        check_glu("silu_mul", gate, up)?;
         for (g, u) in gate.iter_mut().zip(up) {
             *g = silu(*g) * u;
+        }
+        Ok(())
+    }
+
+    fn gelu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
+        check_glu("gelu_mul", gate, up)?;
+        for (g, u) in gate.iter_mut().zip(up) {
+            *g = gelu_tanh(*g) * u;
         }
         Ok(())
     }
@@ -156,11 +184,12 @@ impl Kernels for ScalarKernels {
         let mut kh = vec![0f32; hd];
         let mut vh = vec![0f32; hd];
         for (qi, qu) in queries.iter().enumerate() {
-            let mut scores = vec![0f32; qu.n_ctx];
+            let lo = s.first_pos(qu.n_ctx);
+            let mut scores = vec![0f32; qu.n_ctx - lo];
             for h in 0..s.n_heads {
                 let g = h / s.group();
                 let qh = &q[(qi * s.n_heads + h) * hd..][..hd];
-                for (t, sc) in scores.iter_mut().enumerate() {
+                for (t, sc) in (lo..).zip(scores.iter_mut()) {
                     let off = kv_head_offset(qu.block_table, k.block_tokens, k_row, k_head, t, g);
                     dequantize_row(k.ty, &k.data[off..off + k_head], &mut kh)?;
                     *sc = dot(qh, &kh) * scale;
@@ -168,7 +197,7 @@ impl Kernels for ScalarKernels {
                 self.softmax(&mut scores);
                 let oh = &mut out[(qi * s.n_heads + h) * hd..][..hd];
                 oh.fill(0.0);
-                for (t, p) in scores.iter().enumerate() {
+                for (t, p) in (lo..).zip(scores.iter()) {
                     let off = kv_head_offset(qu.block_table, v.block_tokens, v_row, v_head, t, g);
                     dequantize_row(v.ty, &v.data[off..off + v_head], &mut vh)?;
                     for (o, x) in oh.iter_mut().zip(&vh) {
@@ -188,6 +217,25 @@ pub(crate) fn rmsnorm_apply(xs: &[f32], w: &[f32], ss: f32, eps: f32, out: &mut 
     for ((o, v), g) in out.iter_mut().zip(xs).zip(w) {
         *o = v * scale * g;
     }
+}
+
+/// [`rmsnorm_apply`] with the output over the input (the same expression, so the same
+/// bits).
+pub(crate) fn rmsnorm_apply_in_place(xs: &mut [f32], w: &[f32], ss: f32, eps: f32) {
+    let scale = 1.0 / (ss / w.len() as f32 + eps).sqrt();
+    for (v, g) in xs.iter_mut().zip(w) {
+        *v = *v * scale * g;
+    }
+}
+
+pub(crate) fn check_rmsnorm_in_place(x: &[f32], w: &[f32]) -> Result<()> {
+    if w.is_empty() || !x.len().is_multiple_of(w.len()) {
+        return Err(shape(
+            "rmsnorm_in_place",
+            format!("x {} / weight {}", x.len(), w.len()),
+        ));
+    }
+    Ok(())
 }
 
 pub(crate) fn check_rmsnorm(x: &[f32], w: &[f32], out: &[f32]) -> Result<()> {

@@ -145,6 +145,7 @@ fn paged_attention_matches_reference_for_decode_and_prefill() {
             n_heads,
             n_kv_heads: n_kv,
             head_dim: hd,
+            window: None,
         };
         let (bt, n_blocks) = (16, 64);
         let rb = ty.row_bytes(s.kv_dim()).unwrap();

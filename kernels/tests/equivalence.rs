@@ -298,6 +298,7 @@ fn attention_matches_dense_math_and_reference() {
         n_heads: 6,
         n_kv_heads: 2,
         head_dim: 64,
+        window: None,
     };
     let (bt, n) = (16, 45);
     for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0] {
@@ -534,6 +535,7 @@ fn attention_over_several_sequences_matches_reference() {
         n_heads: 9,
         n_kv_heads: 3,
         head_dim: 64,
+        window: None,
     };
     let bt = 16;
     let n_blocks = 12;
@@ -641,6 +643,7 @@ fn attention_of_a_query_is_bit_identical_alone_and_in_a_large_batch() {
         n_heads: 9,
         n_kv_heads: 3,
         head_dim: 64,
+        window: None,
     };
     let (bt, positions) = (16, 150);
     for ty in [GgmlType::Q8_0, GgmlType::F16, GgmlType::BF16, GgmlType::F32] {

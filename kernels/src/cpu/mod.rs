@@ -18,7 +18,10 @@ use crate::api::{
 };
 use crate::error::Result;
 use crate::quant::dequantize_row;
-use crate::reference::{ScalarKernels, check_rmsnorm, rmsnorm_apply};
+use crate::reference::{
+    ScalarKernels, check_glu, check_rmsnorm, check_rmsnorm_in_place, gelu_tanh, rmsnorm_apply,
+    rmsnorm_apply_in_place,
+};
 use crate::rope::RopeTable;
 use crate::types::GgmlType;
 
@@ -345,6 +348,26 @@ impl Kernels for CpuKernels {
         Ok(())
     }
 
+    fn rmsnorm_in_place(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<()> {
+        check_rmsnorm_in_place(x, w)?;
+        let dim = w.len();
+        // As `rmsnorm`: each row on its own, the same sum and expression.
+        let norm_row = |xs: &mut [f32]| {
+            let ss = self.dot_f32(xs, xs);
+            rmsnorm_apply_in_place(xs, w, ss, eps)
+        };
+        let rows = x.len() / dim;
+        if rows < PARALLEL_ROWS * 4 {
+            x.chunks_exact_mut(dim).for_each(norm_row);
+        } else {
+            let per = rows.div_ceil(self.pool.threads());
+            let parts: Vec<_> = x.chunks_mut(per * dim).collect();
+            self.pool
+                .for_each(parts, |_, xs| xs.chunks_exact_mut(dim).for_each(norm_row));
+        }
+        Ok(())
+    }
+
     fn rope(
         &self,
         x: &mut [f32],
@@ -394,6 +417,26 @@ impl Kernels for CpuKernels {
             }
             _ => ScalarKernels.silu_mul(gate, up),
         }
+    }
+
+    /// The scalar expression (there is no vector tanh here; GeGLU is a small part of a
+    /// step), split over the pool for large batches: elementwise, so the same bits.
+    fn gelu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
+        check_glu("gelu_mul", gate, up)?;
+        const MIN_SPLIT: usize = 32 * 1024;
+        let run = |g: &mut [f32], u: &[f32]| {
+            for (a, b) in g.iter_mut().zip(u) {
+                *a = gelu_tanh(*a) * b;
+            }
+        };
+        if gate.len() < MIN_SPLIT {
+            run(gate, up);
+        } else {
+            let per = gate.len().div_ceil(self.pool.threads());
+            let parts: Vec<_> = gate.chunks_mut(per).zip(up.chunks(per)).collect();
+            self.pool.for_each(parts, |_, (g, u)| run(g, u));
+        }
+        Ok(())
     }
 
     fn softmax(&self, x: &mut [f32]) {

@@ -15,6 +15,13 @@ use crate::error::{Result, shape};
 use crate::rope::RopeTable;
 use crate::types::ActFormat;
 
+/// An operation whose CUDA kernel has not landed yet: refused, never computed wrong.
+fn not_yet(op: &str) -> crate::Error {
+    crate::Error::Cuda(format!(
+        "the CUDA backend has no {op} kernel yet; serve this model with --device cpu"
+    ))
+}
+
 pub struct CudaBackend {
     dev: CudaDevice,
 }
@@ -223,6 +230,9 @@ impl Backend for CudaBackend {
         layer: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        if s.window.is_some() {
+            return Err(not_yet("sliding-window attention"));
+        }
         self.dev.attention(
             s,
             &q.as_view(),
@@ -231,6 +241,28 @@ impl Backend for CudaBackend {
             layer,
             &mut out.as_view_mut(),
         )
+    }
+
+    fn rmsnorm_in_place(
+        &self,
+        _x: &mut CudaSlice<f32>,
+        _w: &CudaSlice<f32>,
+        _eps: f32,
+        _rows: usize,
+    ) -> Result<()> {
+        Err(not_yet("per-head RMS norm"))
+    }
+
+    fn add_bias(&self, _x: &mut CudaSlice<f32>, _b: &CudaSlice<f32>, _rows: usize) -> Result<()> {
+        Err(not_yet("bias add"))
+    }
+
+    fn scale(&self, _x: &mut CudaSlice<f32>, _s: f32, _n: usize) -> Result<()> {
+        Err(not_yet("scale"))
+    }
+
+    fn gelu_mul(&self, _g: &mut CudaSlice<f32>, _u: &CudaSlice<f32>, _n: usize) -> Result<()> {
+        Err(not_yet("GeGLU"))
     }
 
     fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>, n: usize) -> Result<()> {

@@ -172,6 +172,14 @@ impl Kernels for CudaKernels {
         Ok(())
     }
 
+    fn rmsnorm_in_place(&self, _x: &mut [f32], _w: &[f32], _eps: f32) -> Result<()> {
+        Err(crate::Error::Cuda("no per-head RMS norm kernel yet".into()))
+    }
+
+    fn gelu_mul(&self, _gate: &mut [f32], _up: &[f32]) -> Result<()> {
+        Err(crate::Error::Cuda("no GeGLU kernel yet".into()))
+    }
+
     /// The forward pass never softmaxes on its own (attention fuses it), so this stays on
     /// the host: a device round trip would only add latency.
     fn softmax(&self, x: &mut [f32]) {
@@ -188,6 +196,11 @@ impl Kernels for CudaKernels {
         out: &mut [f32],
     ) -> Result<()> {
         check_attention(s, q, queries, k, v, out)?;
+        if s.window.is_some() {
+            return Err(crate::Error::Cuda(
+                "no sliding-window attention kernel yet".into(),
+            ));
+        }
         if k.ty != v.ty || k.block_tokens != v.block_tokens || k.data.len() != v.data.len() {
             return Err(shape("attention", "K and V pools differ in layout"));
         }
