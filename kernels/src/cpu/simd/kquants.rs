@@ -52,6 +52,8 @@ pub(super) trait KFormat {
     /// For each vector of [`Self::codes`]: the i16 scale of each of its 16 `maddubs`
     /// pairs (lanes 0..8 the first 16 codes, 8..16 the last 16).
     unsafe fn scales(blk: *const u8) -> [__m256i; 8];
+    /// The scale of each 16 codes (scalar: what the batch kernel's unpack stores).
+    unsafe fn scales16(blk: *const u8) -> [i16; 16];
     /// The offset multipliers as i16 pairs, one i32 word per pair of sub-sums: the mins
     /// `m_{2p} | m_{2p+1} << 16` of 32-code sub-blocks (4 words), or Q6_K's scales
     /// `sc_{2p} | sc_{2p+1} << 16` of 16-code sub-blocks (8 words).
@@ -94,6 +96,12 @@ fn per32_scales(sc8: u64) -> [__m256i; 8] {
             _mm256_set1_epi16(i16::from_le_bytes([lo as u8, lo as u8 + 1])),
         )
     })
+}
+
+/// One scale per 32 codes (`sc8`, 8 bytes) as the scale of each 16.
+fn per16(sc8: u64) -> [i16; 16] {
+    let b = sc8.to_le_bytes();
+    std::array::from_fn(|k| b[k / 2] as i16)
 }
 
 /// Min pairs of 8 mins (`m8`, 8 bytes) as the words [`KFormat::offsets`] returns.
@@ -149,6 +157,11 @@ impl KFormat for Q4K {
         per32_scales(unsafe { scales_mins(blk.add(4)) }.0)
     }
     #[inline]
+    unsafe fn scales16(blk: *const u8) -> [i16; 16] {
+        // SAFETY: as above.
+        per16(unsafe { scales_mins(blk.add(4)) }.0)
+    }
+    #[inline]
     unsafe fn offsets(blk: *const u8) -> [i32; 8] {
         // SAFETY: as above.
         min_pairs(unsafe { scales_mins(blk.add(4)) }.1)
@@ -196,6 +209,11 @@ impl KFormat for Q5K {
     unsafe fn scales(blk: *const u8) -> [__m256i; 8] {
         // SAFETY: a whole block: its scales are bytes 4..16.
         per32_scales(unsafe { scales_mins(blk.add(4)) }.0)
+    }
+    #[inline]
+    unsafe fn scales16(blk: *const u8) -> [i16; 16] {
+        // SAFETY: as above.
+        per16(unsafe { scales_mins(blk.add(4)) }.0)
     }
     #[inline]
     unsafe fn offsets(blk: *const u8) -> [i32; 8] {
@@ -297,6 +315,12 @@ impl KFormat for Q6K {
             );
             _mm256_shuffle_epi8(halves[h], pick)
         })
+    }
+    #[inline]
+    unsafe fn scales16(blk: *const u8) -> [i16; 16] {
+        // SAFETY: a whole block: the scales are bytes 192..208.
+        let sc = unsafe { blk.add(192).cast::<[i8; 16]>().read() };
+        sc.map(i16::from)
     }
     #[inline]
     unsafe fn offsets(blk: *const u8) -> [i32; 8] {
@@ -526,14 +550,10 @@ unsafe fn unpack<F: KFormat>(blk: *const u8, sc: &mut TileScratchK, at: usize) {
         for (j, c) in codes.iter().enumerate() {
             _mm256_store_si256(sc.codes.as_mut_ptr().add(at * 8 + j).cast(), *c);
         }
-        // The scale of quads 4·STEP·t.. : lane 2·(quad·4 % 16) / 2... of its vector, i.e.
-        // the i16 of vector (quad / 8) at lane (quad % 8) · 2 (each quad is 2 pairs).
-        let scales = F::scales(blk);
+        // Step t covers quads STEP·t.., inside the 16 codes of quad / 4.
+        let s16 = F::scales16(blk);
         for t in 0..64 / F::STEP {
-            let quad = t * F::STEP;
-            // SAFETY: __m256i and [i16; 16] have the same size.
-            let lanes: [i16; 16] = std::mem::transmute(scales[quad / 8]);
-            let s = lanes[(quad % 8) * 2] as u16 as i32;
+            let s = s16[t * F::STEP / 4] as u16 as i32;
             sc.steps[at * STEPS_MAX + t] = s | (s << 16);
         }
         sc.offs[at * 8..at * 8 + 8].copy_from_slice(&F::offsets(blk));
