@@ -22,6 +22,7 @@ use super::simd::{Interleaved, InterleavedK};
 /// "model matmuls" (SmolLM2 from DRAM, 2 threads): the tiled kernel takes 14–17 ms at
 /// T=2, 3 or 4 (and 7 ms at T=1); once per token takes 10, 12.5 and 15–16 ms. Both give
 /// every token the bits it gets alone.
+#[cfg(target_arch = "x86_64")]
 const GEMV_MAX_TOKENS: usize = 3;
 
 /// One call's activations in every form its matrices consume: [`BlockQ8`] for the
@@ -83,6 +84,7 @@ impl CpuKernels {
     }
 
     fn quantize(&self, fmt: ActFormat, x: &[f32], n_tok: usize, cols: usize, acts: &mut Acts) {
+        #[cfg(target_arch = "x86_64")]
         let tiled = n_tok > GEMV_MAX_TOKENS;
         match (self.simd, fmt) {
             #[cfg(target_arch = "x86_64")]
