@@ -3,9 +3,9 @@
 //! optimized backends are tested against; `scripts/quant_reference.py` holds them against
 //! gguf-py's numpy dequantization (`tests/quant_reference.rs`).
 //!
-//! Each block format is one [`Format`] implementation in its family's file
-//! ([`blocks32`]: 32-element blocks, [`kquants`]: 256-element super-blocks); the
-//! functions below dispatch on [`GgmlType`] through [`with_format!`], the one list of them.
+//! Each block format is one `Format` implementation in its family's file (`blocks32.rs`:
+//! 32-element blocks, `kquants.rs`: 256-element super-blocks); the functions below
+//! dispatch on [`GgmlType`] through `with_format!`, the one list of them.
 //!
 //! **Activation quantization.** A quantized product multiplies the weight codes with
 //! activations quantized to i8, per block, in exact integer arithmetic:

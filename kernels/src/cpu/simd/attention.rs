@@ -1,4 +1,5 @@
-//! Attention kernels.
+//! The fused attention kernels: scores of up to 4 query heads against K rows and the
+//! weighted sum of V rows, decoding F32 / F16 / BF16 / Q8_0 rows in registers.
 
 use std::arch::x86_64::*;
 

@@ -1,4 +1,8 @@
-//! 32-element block formats.
+//! The 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against Q8 activation
+//! blocks: kinds as const parameters (one per format: its block layout and code
+//! extraction), the single-token kernel ([`gemv8`]) and the register-tiled batch kernel
+//! ([`tile`]) with its interleaved activations. The float steps are in the module docs
+//! of `super`.
 
 use std::arch::x86_64::*;
 

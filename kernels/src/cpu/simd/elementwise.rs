@@ -1,4 +1,5 @@
-//! Elementwise kernels.
+//! Elementwise and conversion kernels: softmax, SwiGLU, f32 dots, row decoders, and the
+//! Q8 activation quantization (bit-identical to the scalar definition).
 
 use std::arch::x86_64::*;
 

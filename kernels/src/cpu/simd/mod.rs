@@ -1,37 +1,45 @@
-//! AVX2/FMA/F16C inner loops. Reached only through [`Avx2`], a token that exists only
-//! when the CPU has those features, so every call below runs on a CPU that supports it.
+//! The CPU backend's SIMD inner loops, in two tiers. Reached only through [`Avx2`] and
+//! [`Avx512`], tokens that exist only when the CPU has the features their functions are
+//! compiled for, so every call below runs on a CPU that supports it.
 //!
-//! Quantized products: per 32-element block, the integer dot of the weight codes with
-//! the i8 activation codes is exact (`maddubs`/`madd`, i16 partial sums that provably do
-//! not overflow), so only the float part decides the rounding. For every (row, token) it
-//! is, with blocks in order and each step one rounding:
+//! - `blocks32`: the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against Q8
+//!   activation blocks; `kformats` + `kquants`: the K-quants (Q4_K, Q5_K, Q6_K) against
+//!   Q8K blocks; `avx512`: the AVX-512 F/BW/VL/VNNI versions of the matrix kernels;
+//!   `attention`, `elementwise`: the rest (AVX2 in both tiers).
+//!
+//! Quantized products: per block, the integer dot of the weight codes with the i8
+//! activation codes is exact (`maddubs`/`madd` with i16 partial sums that provably do not
+//! overflow, or `vpdpbusd` into i32), so only the float part decides the rounding. For
+//! every (row, token) it is, with blocks in order and each step one rounding, exactly the
+//! scalar reference's (`crate::quant::Terms`):
 //!
 //! ```text
 //! acc  = fma(float(isum_b), d_w[b] · d_a[b], acc)      (acc starts at 0)
-//! accm = fma(m_w[b], s_a[b], accm)                      (Q4_1 only)
-//! out  = acc + accm                                     (Q4_1; the others: acc)
+//! accm = fma(ox_b, oy_b, accm)                          (Q4_1, Q5_1: m_w · s_a; Q4_K,
+//!                                                        Q5_K: float(msum_b) · dmin_w·d_a)
+//! out  = acc + accm  (Q4_1, Q5_1)  |  acc − accm  (Q4_K, Q5_K)  |  acc  (the others)
 //! ```
 //!
-//! Both kernels run these steps on 8 lanes: the single-token kernel ([`Avx2::gemv`]) has
-//! one lane per weight row, the batch kernel ([`Avx2::gemm_rows`]) one lane per token.
-//! Each lane performs the same operations on the same values in the same order, so a
-//! token's result does not depend on the size of the batch it is computed in: batched
-//! decoding reproduces sequential decoding bit for bit. The model's greedy outputs are
-//! sensitive to last-bit differences (a flipped int8 rounding of an activation
-//! propagates), so this matters.
+//! The single-token kernels run these steps with one lane per weight row (8 rows), the
+//! batch kernels with one lane per token (8, or 16 with AVX-512). Each lane performs the
+//! same operations on the same values in the same order, so a token's result does not
+//! depend on the size of the batch it is computed in, on the tier, or on the weight
+//! layout: batched decoding reproduces sequential decoding bit for bit, and the portable
+//! loops give the same bits too. The model's greedy outputs are sensitive to last-bit
+//! differences (a flipped int8 rounding of an activation propagates), so this matters.
 //!
-//! The batch kernel is register-tiled: R weight rows × G·8 tokens ([`TILE_4BIT`],
-//! [`TILE_8BIT`]). The activations of 8 tokens are interleaved four codes at a time
-//! ([`Interleaved`]), so one broadcast of four weight codes times one contiguous load of
-//! activations gives 8 tokens' partial dots at once (`maddubs`), accumulated in i16 over
-//! the block (i32 for Q8_0); each weight broadcast serves G loads and each activation
-//! load R rows. Q4_1's offset terms run in a second pass over the blocks.
+//! The batch kernels are register-tiled: R weight rows × G·8 tokens. The activations of 8
+//! tokens are interleaved four codes at a time (`Interleaved`, `InterleavedK`), so one
+//! broadcast of four weight codes times one contiguous load of activations gives 8 tokens'
+//! partial dots at once; each weight broadcast serves G loads and each activation load R
+//! rows.
 #![allow(unsafe_code)]
 
 mod attention;
 mod avx512;
 mod blocks32;
 mod elementwise;
+mod kformats;
 mod kquants;
 
 use std::arch::x86_64::*;
