@@ -14,8 +14,10 @@
 use std::arch::x86_64::*;
 
 use super::blocks32::{
-    S5, S8, TilePtrs, U5, block_scales, codes, layout, nibbles, offset, sum_i8, ucodes, unsigned,
+    S5, S8, TilePtrs, U5, Unpacked, block_scales, codes, layout, nibbles, offset, sum_i8, ucodes,
+    unsigned,
 };
+use super::f16x1;
 use super::kquants::{InterleavedK, KFormat, STEPS_MAX, TILE_ROWS, TileScratchK};
 use super::sum8_i32;
 use super::{Avx512, Q32};
@@ -62,6 +64,24 @@ impl Avx512 {
     ) -> __m256 {
         // SAFETY: the token proves the target features; the rest is the caller's.
         unsafe { gemv8::<K>(rows, stride, act, nb) }
+    }
+
+    /// The AVX2 batch kernel's unpack of block `b` of scratch row `i` (`blocks32`), for
+    /// the AVX-512 tile: Q5 codes through a mask register, and the absolute values of
+    /// signed codes (which only the AVX2 tile reads) only when `abs_too`.
+    ///
+    /// # Safety
+    /// `blk` is a whole block of kind K; entry `i · nb + b` lies inside the scratch.
+    pub(super) unsafe fn unpack_block<const K: u8>(
+        self,
+        blk: *const u8,
+        u: &Unpacked,
+        i: usize,
+        b: usize,
+        abs_too: bool,
+    ) {
+        // SAFETY: the token proves the target features; the rest is the caller's.
+        unsafe { unpack_block::<K>(blk, u, i, b, abs_too) }
     }
 
     /// Each 16-lane result as its two 8-lane halves (tokens of the first group, then of
@@ -303,5 +323,38 @@ unsafe fn gemv8<const K: u8>(
         _mm256_add_ps(acc, accm)
     } else {
         acc
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unpack_block<const K: u8>(
+    blk: *const u8,
+    u: &Unpacked,
+    i: usize,
+    b: usize,
+    abs_too: bool,
+) {
+    let at = i * u.nb + b;
+    // SAFETY: the caller passes a whole block of kind K and an entry inside the scratch.
+    unsafe {
+        let c = ucodes512::<K>(blk);
+        if unsigned(K) {
+            _mm256_store_si256(u.wa.add(at).cast(), c);
+            *u.m.add(at) = f16x1(blk.add(2));
+        } else {
+            // Back to the signed codes: q − o, or (q + 128) − 128 for Q8_0.
+            let o = if K == S8 { -128 } else { offset(K) };
+            let c = _mm256_sub_epi8(c, _mm256_set1_epi8(o as i8));
+            _mm256_store_si256(u.ws.add(at).cast(), c);
+            if abs_too {
+                _mm256_store_si256(u.wa.add(at).cast(), _mm256_abs_epi8(c));
+            }
+            *u.m.add(at) = 0.0;
+            let ones = _mm256_set1_epi8(1);
+            let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, c);
+            *u.wsum.add(at) = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(p));
+        }
+        *u.d.add(at) = f16x1(blk);
     }
 }

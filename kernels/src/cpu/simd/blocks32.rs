@@ -275,7 +275,10 @@ impl Avx2 {
                 // SAFETY: features proven by the token; every row r <= last < w.rows has
                 // `nb` blocks `stride` apart in `w.data` (`RowBlocks::new` checked the
                 // size), and the scratch holds UNPACK_ROWS rows of `nb` entries.
-                unsafe { unpack_rows::<K>(starts, rows.stride, group, &u) };
+                // With AVX-512 its own unpack (the AVX2 tile's absolute codes only where an
+                // odd last group of tokens runs it).
+                let wide_unpack = wide.map(|x| (x, !il.groups.is_multiple_of(2)));
+                unsafe { unpack_rows::<K>(starts, rows.stride, group, &u, wide_unpack) };
             }
             // This tile's rows in the scratch.
             let first_row = rt % UNPACK_ROWS * nb;
@@ -458,13 +461,13 @@ pub(super) unsafe fn codes<const K: u8>(blk: *const u8) -> __m256i {
 /// Where the batch kernel unpacks weight rows: codes (`wa` unsigned or absolute, `ws`
 /// signed), block scales `d` and offsets `m` (0 unless Q4_1); row i's block b at
 /// `i · nb + b`.
-struct Unpacked {
-    wa: *mut Q32,
-    ws: *mut Q32,
-    wsum: *mut i32,
-    d: *mut f32,
-    m: *mut f32,
-    nb: usize,
+pub(super) struct Unpacked {
+    pub(super) wa: *mut Q32,
+    pub(super) ws: *mut Q32,
+    pub(super) wsum: *mut i32,
+    pub(super) d: *mut f32,
+    pub(super) m: *mut f32,
+    pub(super) nb: usize,
 }
 
 /// Expand block `b` of scratch row `i` from the block at `blk`.
@@ -505,19 +508,26 @@ unsafe fn unpack_rows<const K: u8>(
     stride: usize,
     interleaved: bool,
     u: &Unpacked,
+    wide: Option<(Avx512, bool)>,
 ) {
-    // SAFETY (both loops): the caller guarantees `u.nb` blocks of kind K `stride` apart
+    // SAFETY (all calls): the caller guarantees `u.nb` blocks of kind K `stride` apart
     // behind every start and 8 rows of `u.nb` entries in the scratch.
+    let one = |s: *const u8, i: usize, b: usize| unsafe {
+        match wide {
+            Some((x, abs_too)) => x.unpack_block::<K>(s.add(b * stride), u, i, b, abs_too),
+            None => unpack_block::<K>(s.add(b * stride), u, i, b),
+        }
+    };
     if interleaved {
         for b in 0..u.nb {
             for (i, s) in starts.iter().enumerate() {
-                unsafe { unpack_block::<K>(s.add(b * stride), u, i, b) };
+                one(*s, i, b);
             }
         }
     } else {
         for (i, s) in starts.iter().enumerate() {
             for b in 0..u.nb {
-                unsafe { unpack_block::<K>(s.add(b * stride), u, i, b) };
+                one(*s, i, b);
             }
         }
     }
