@@ -7,9 +7,9 @@
 //! Same bits as the AVX2 tiles: the integer sums are exact either way (`vpdpbusd`
 //! accumulates in i32, so no i16 bound applies), and every lane runs the same float
 //! steps on the same values (see `crate::quant::Terms`). `vpdpbusd` wants its first
-//! operand unsigned: the unsigned codes (Q4_1, Q5_1, K-quants) take that place and the
-//! activations the signed one; for signed codes (Q4_0, Q5_0, Q8_0) the activations do,
-//! offset by 128 (`a ^ 0x80`), and `128 · Σw` per block is taken off the sum.
+//! operand unsigned: the weights' codes take that place as stored (Q4_0, Q5_0 without
+//! their offset o = 8, 16; Q8_0 plus 128), the activations the signed one, and `o · Σa`
+//! per token and block (`Interleaved`'s code sums) is taken off the sum.
 
 use std::arch::x86_64::*;
 
@@ -96,9 +96,9 @@ impl Avx512 {
     ///
     /// # Safety
     /// `p` as the AVX2 tile takes it, with a second group of `nb` blocks behind the first.
-    pub(super) unsafe fn tile32<const K: u8, const R: usize>(self, p: &TilePtrs) -> [__m512; R] {
+    pub(super) unsafe fn tile32<const K: u8>(self, p: &TilePtrs) -> [__m512; 4] {
         // SAFETY: the token proves the target features; the rest is the caller's.
-        unsafe { tile32::<K, R>(p) }
+        unsafe { tile32::<K>(p) }
     }
 
     /// The AVX2 K-quant tile ([`super::kquants`]) over R unpacked rows (scratch entries
@@ -129,11 +129,19 @@ fn halves<const R: usize>(res: &[__m512; R]) -> [[__m256; R]; 2] {
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn tile32<const K: u8, const R: usize>(p: &TilePtrs) -> [__m512; R] {
+unsafe fn tile32<const K: u8>(p: &TilePtrs) -> [__m512; 4] {
+    const R: usize = 4;
     let nb = p.nb;
     // The second token group's entries (8 per block).
     let g1 = 8 * nb;
-    let flip = _mm512_set1_epi8(0x80u8 as i8);
+    // Signed kinds: unsigned codes q = c + o, and o · Σa taken off per token.
+    let shift: i32 = if K == S8 {
+        7
+    } else if unsigned(K) {
+        0
+    } else {
+        offset(K).trailing_zeros() as i32
+    };
     let mut acc = [_mm512_setzero_ps(); R];
     let mut accm = [_mm512_setzero_ps(); R];
     for b in 0..nb {
@@ -143,27 +151,22 @@ unsafe fn tile32<const K: u8, const R: usize>(p: &TilePtrs) -> [__m512; R] {
             let mut isum = [_mm512_setzero_si512(); R];
             for j in 0..8 {
                 let a = load2(p.q.add(b * 8 + j), p.q.add(g1 + b * 8 + j));
-                let a = if unsigned(K) {
-                    a
-                } else {
-                    _mm512_xor_si512(a, flip)
-                };
                 for (r, s) in isum.iter_mut().enumerate() {
-                    let quad = |w: *const Q32| w.add(r * nb + b).cast::<i32>().add(j).read();
-                    *s = if unsigned(K) {
-                        _mm512_dpbusd_epi32(*s, _mm512_set1_epi32(quad(p.wa)), a)
-                    } else {
-                        _mm512_dpbusd_epi32(*s, a, _mm512_set1_epi32(quad(p.ws)))
-                    };
+                    let w = p.wu.add(r * nb + b).cast::<i32>().add(j).read();
+                    *s = _mm512_dpbusd_epi32(*s, _mm512_set1_epi32(w), a);
                 }
             }
             let da = load2_ps(p.d.add(b * 8), p.d.add(g1 + b * 8));
+            let corr = if unsigned(K) {
+                _mm512_setzero_si512()
+            } else {
+                let lo = _mm256_loadu_si256(p.qsum.add(b * 8).cast());
+                let hi = _mm256_loadu_si256(p.qsum.add(g1 + b * 8).cast());
+                let qs = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                _mm512_sllv_epi32(qs, _mm512_set1_epi32(shift))
+            };
             for (r, (a, s)) in acc.iter_mut().zip(isum).enumerate() {
-                let s = if unsigned(K) {
-                    s
-                } else {
-                    _mm512_sub_epi32(s, _mm512_set1_epi32(128 * *p.wsum.add(r * nb + b)))
-                };
+                let s = _mm512_sub_epi32(s, corr);
                 let dw = _mm512_set1_ps(*p.dw.add(r * nb + b));
                 *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, da), *a);
             }
@@ -338,22 +341,23 @@ unsafe fn unpack_block<const K: u8>(
     let at = i * u.nb + b;
     // SAFETY: the caller passes a whole block of kind K and an entry inside the scratch.
     unsafe {
-        let c = ucodes512::<K>(blk);
+        let q = ucodes512::<K>(blk);
+        _mm256_store_si256(u.wu.add(at).cast(), q);
         if unsigned(K) {
-            _mm256_store_si256(u.wa.add(at).cast(), c);
+            if abs_too {
+                _mm256_store_si256(u.wa.add(at).cast(), q);
+            }
             *u.m.add(at) = f16x1(blk.add(2));
         } else {
-            // Back to the signed codes: q − o, or (q + 128) − 128 for Q8_0.
-            let o = if K == S8 { -128 } else { offset(K) };
-            let c = _mm256_sub_epi8(c, _mm256_set1_epi8(o as i8));
-            _mm256_store_si256(u.ws.add(at).cast(), c);
             if abs_too {
+                // The AVX2 tile's signed codes and their absolute values: q − o, or
+                // (q + 128) − 128 for Q8_0.
+                let o = if K == S8 { -128 } else { offset(K) };
+                let c = _mm256_sub_epi8(q, _mm256_set1_epi8(o as i8));
+                _mm256_store_si256(u.ws.add(at).cast(), c);
                 _mm256_store_si256(u.wa.add(at).cast(), _mm256_abs_epi8(c));
             }
             *u.m.add(at) = 0.0;
-            let ones = _mm256_set1_epi8(1);
-            let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, c);
-            *u.wsum.add(at) = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(p));
         }
         *u.d.add(at) = f16x1(blk);
     }

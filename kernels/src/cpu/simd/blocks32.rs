@@ -76,6 +76,9 @@ pub(crate) struct Interleaved {
     q: Vec<Q32>,
     d: Vec<f32>,
     s: Vec<f32>,
+    /// Each token's block code sum `Σq` (lane layout of `d`), for the AVX-512 tile's
+    /// unsigned-code products.
+    qsum: Vec<i32>,
 }
 
 impl Interleaved {
@@ -95,18 +98,23 @@ impl Interleaved {
         let mut q = vec![Q32::default(); groups * nb * 8];
         let mut d = vec![0f32; groups * nb * 8];
         let mut s = vec![0f32; groups * nb * 8];
+        let mut qsum = vec![0i32; groups * nb * 8];
         let per = (nb * 8).max(1);
         let parts: Vec<_> = q
             .chunks_mut(per)
             .zip(d.chunks_mut(per))
             .zip(s.chunks_mut(per))
+            .zip(qsum.chunks_mut(per))
             .collect();
-        pool.for_each(parts, |g, ((q, d), s)| {
+        pool.for_each(parts, |g, (((q, d), s), qsum)| {
             let mut row = vec![BlockQ8::default(); nb];
             for l in 0..8.min(n_tok - 8 * g) {
                 let t = 8 * g + l;
                 simd.quantize_act_row(&x[t * nb * QK..(t + 1) * nb * QK], &mut row);
                 interleave_row(&row, l, q, d, s);
+                for (b, blk) in row.iter().enumerate() {
+                    qsum[b * 8 + l] = blk.qs.iter().map(|v| *v as i32).sum();
+                }
             }
         });
         Self {
@@ -116,6 +124,7 @@ impl Interleaved {
             q,
             d,
             s,
+            qsum,
         }
     }
 }
@@ -141,9 +150,8 @@ pub(crate) struct TileScratch {
     wa: Vec<Q32>,
     /// Signed codes (Q4_0, Q8_0).
     ws: Vec<Q32>,
-    /// Sum of each block's signed codes (the AVX-512 tile's correction for its
-    /// activations offset by 128).
-    wsum: Vec<i32>,
+    /// Unsigned codes for the AVX-512 tile (Q4_0 / Q5_0 as stored, Q8_0 + 128).
+    wu: Vec<Q32>,
     d: Vec<f32>,
     m: Vec<f32>,
 }
@@ -252,13 +260,13 @@ impl Avx2 {
                 v.resize(UNPACK_ROWS * nb, 0.0);
             }
         }
-        if sc.wsum.len() < UNPACK_ROWS * nb {
-            sc.wsum.resize(UNPACK_ROWS * nb, 0);
+        if sc.wu.len() < UNPACK_ROWS * nb {
+            sc.wu.resize(UNPACK_ROWS * nb, Q32::default());
         }
         let u = Unpacked {
             wa: sc.wa.as_mut_ptr(),
             ws: sc.ws.as_mut_ptr(),
-            wsum: sc.wsum.as_mut_ptr(),
+            wu: sc.wu.as_mut_ptr(),
             d: sc.d.as_mut_ptr(),
             m: sc.m.as_mut_ptr(),
             nb,
@@ -279,6 +287,9 @@ impl Avx2 {
                 // odd last group of tokens runs it).
                 let wide_unpack = wide.map(|x| (x, !il.groups.is_multiple_of(2)));
                 unsafe { unpack_rows::<K>(starts, rows.stride, group, &u, wide_unpack) };
+                if first + 16 <= r0 + nr {
+                    rows.prefetch_group(w.data, first + 8);
+                }
             }
             // This tile's rows in the scratch.
             let first_row = rt % UNPACK_ROWS * nb;
@@ -291,12 +302,13 @@ impl Avx2 {
                 let p = TilePtrs {
                     wa: unsafe { u.wa.add(first_row) },
                     ws: unsafe { u.ws.add(first_row) },
-                    wsum: unsafe { u.wsum.add(first_row) },
+                    wu: unsafe { u.wu.add(first_row) },
                     dw: unsafe { u.d.add(first_row) },
                     m: unsafe { u.m.add(first_row) },
                     q: il.q[at..].as_ptr(),
                     d: il.d[at..].as_ptr(),
                     s: il.s[at..].as_ptr(),
+                    qsum: il.qsum[at..].as_ptr(),
                     nb,
                 };
                 // Writes rows rt.. of one group's results ([row] lanes = tokens).
@@ -328,7 +340,7 @@ impl Avx2 {
                     && g + 2 <= il.groups
                 {
                     // SAFETY: as below, for groups g and g + 1.
-                    let res = unsafe { x.tile32::<K, R>(&p) };
+                    let res = unsafe { x.tile32::<K>(&p) };
                     for (gg, half) in x.halves(&res).iter().enumerate() {
                         store(gg, half);
                     }
@@ -464,7 +476,7 @@ pub(super) unsafe fn codes<const K: u8>(blk: *const u8) -> __m256i {
 pub(super) struct Unpacked {
     pub(super) wa: *mut Q32,
     pub(super) ws: *mut Q32,
-    pub(super) wsum: *mut i32,
+    pub(super) wu: *mut Q32,
     pub(super) d: *mut f32,
     pub(super) m: *mut f32,
     pub(super) nb: usize,
@@ -485,15 +497,6 @@ unsafe fn unpack_block<const K: u8>(blk: *const u8, u: &Unpacked, i: usize, b: u
             _mm256_store_si256(u.wa.add(at).cast(), _mm256_abs_epi8(c));
             _mm256_store_si256(u.ws.add(at).cast(), c);
             *u.m.add(at) = 0.0;
-            // Σ c: pairs widened by maddubs(1, c), then i32 lanes summed.
-            let p = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_set1_epi8(1), c),
-                _mm256_set1_epi16(1),
-            );
-            let q = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256::<1>(p));
-            let q = _mm_add_epi32(q, _mm_shuffle_epi32::<0b01_00_11_10>(q));
-            *u.wsum.add(at) =
-                _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32::<0b10_11_00_01>(q)));
         }
         *u.d.add(at) = f16x1(blk);
     }
@@ -654,12 +657,13 @@ unsafe fn gemv8<const K: u8>(
 pub(super) struct TilePtrs {
     pub(super) wa: *const Q32,
     pub(super) ws: *const Q32,
-    pub(super) wsum: *const i32,
+    pub(super) wu: *const Q32,
     pub(super) dw: *const f32,
     pub(super) m: *const f32,
     pub(super) q: *const Q32,
     pub(super) d: *const f32,
     pub(super) s: *const f32,
+    pub(super) qsum: *const i32,
     pub(super) nb: usize,
 }
 

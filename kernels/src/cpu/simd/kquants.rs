@@ -453,6 +453,9 @@ impl Avx2 {
                         unsafe { unpack::<F>(s.add(b * rows.stride), sc, i * nb + b) };
                     }
                 }
+                if first + 16 <= r0 + nr {
+                    rows.prefetch_group(w.data, first + 8);
+                }
             }
             let first = rt % UNPACK_ROWS * nb;
             let rows_here = R.min(nr - rt);

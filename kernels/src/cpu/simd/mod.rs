@@ -87,6 +87,27 @@ impl RowBlocks {
         }
     }
 
+    /// Ask for the bytes of the 8-row group starting at row `first` to be brought into L2
+    /// ahead of use, when the layout stores such a group contiguously (Rows8) and it lies
+    /// inside the matrix. The batch kernels call it for the next group while they compute
+    /// on the current one: their reads of the weights stop during the compute, so the
+    /// hardware prefetcher loses the stream, and a C=32 step's first touch of each group
+    /// otherwise waits for DRAM.
+    fn prefetch_group(&self, data: &[u8], first: usize) {
+        if !self.rows8 || !first.is_multiple_of(8) {
+            return;
+        }
+        let start = first / 8 * 8 * self.row_bytes;
+        let Some(bytes) = data.get(start..start + 8 * self.row_bytes) else {
+            return;
+        };
+        for line in bytes.chunks(64) {
+            // SAFETY: a prefetch of an address inside `data` (it cannot fault, and reads
+            // nothing into the program's state).
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
+        }
+    }
+
     /// Pointer to row `r`'s first block.
     fn start(&self, data: &[u8], r: usize) -> *const u8 {
         let off = if self.rows8 {
