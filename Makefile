@@ -12,13 +12,14 @@ export HELM := $(CURDIR)/.cache/bin/helm
 export IMAGE_REGISTRY ?= ghcr.io/tandem
 
 .PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check gpu-test \
+	kernel-fixtures kernel-fixtures-check \
 	bench bench-pd bench-local bench-vs-llamacpp bench-prefix llama-server faults helm manifests chart-check static images image-check e2e e2e-deps
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
 ## the Helm chart and manifests, the images where a Docker daemon runs, the end-to-end
 ## suite against a real control plane). e2e-deps comes first: the Go build of
 ## kube-apiserver peaks at ~3.5 GB of caches, removed before the Rust builds fill target/.
-test: e2e-deps lint crd-check pyenv model unit validate-crd chart-check image-check cuda-check e2e
+test: e2e-deps lint crd-check pyenv kernel-fixtures-check model unit validate-crd chart-check image-check cuda-check e2e
 
 # Without rustfmt or clippy (a toolchain lacking the component) the rest of `make test`
 # still runs, and one line says what was skipped. The e2e scenarios are not a `cargo test`
@@ -142,6 +143,15 @@ crds:
 crd-check:
 	cargo run -q -p tandem-operator --bin crdgen | diff -u crds/pddeployment.yaml - \
 	  || (echo "crds/pddeployment.yaml is stale: run 'make crds'" >&2; exit 1)
+
+## kernel-fixtures: regenerate the quantized formats' reference fixtures from gguf-py's numpy
+## dequantization (scripts/quant_reference.py; kernels/tests/quant_reference.rs reads them)
+kernel-fixtures: pyenv
+	$(PYTHON) scripts/quant_reference.py > kernels/tests/fixtures/quant_reference.json
+
+kernel-fixtures-check: pyenv
+	@$(PYTHON) scripts/quant_reference.py | diff -q kernels/tests/fixtures/quant_reference.json - >/dev/null \
+	  || (echo "kernels/tests/fixtures/quant_reference.json is stale: run 'make kernel-fixtures'" >&2; exit 1)
 
 validate-crd: pyenv
 	$(PY_VENV)/bin/kubernetes-validate --strict --kubernetes-version 1.33.0 crds/pddeployment.yaml

@@ -5,19 +5,28 @@ use crate::api::{
     AttnQuery, AttnShape, Kernels, KvView, Matrix, check_attention, check_matmul, kv_head_offset,
 };
 use crate::error::{Result, shape};
-use crate::quant::{BlockQ8, dequantize_row, quantize_act_row, vec_dot_q8};
+use crate::quant::{
+    ActRow, BlockQ8, BlockQ8K, dequantize_row, quantize_act_row, quantize_act_row_k, vec_dot,
+};
 use crate::rope::RopeTable;
-use crate::types::QK;
+use crate::types::{ActFormat, QK, QK_K};
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ScalarKernels;
 
-/// Quantize `n_tok` rows of `cols` activations into Q8 blocks, row after row.
-pub(crate) fn quantize_acts(x: &[f32], n_tok: usize, cols: usize) -> Result<Vec<BlockQ8>> {
-    let nb = cols / QK;
-    let mut act = vec![BlockQ8::default(); n_tok * nb];
+/// Quantize `n_tok` rows of `cols` activations into blocks of `block` with `quant`, row
+/// after row.
+fn quantize_rows<B: Default + Clone>(
+    x: &[f32],
+    n_tok: usize,
+    cols: usize,
+    block: usize,
+    quant: impl Fn(&[f32], &mut [B]) -> Result<()>,
+) -> Result<Vec<B>> {
+    let nb = cols / block;
+    let mut act = vec![B::default(); n_tok * nb];
     for t in 0..n_tok {
-        quantize_act_row(&x[t * cols..(t + 1) * cols], &mut act[t * nb..(t + 1) * nb])?;
+        quant(&x[t * cols..(t + 1) * cols], &mut act[t * nb..(t + 1) * nb])?;
     }
     Ok(act)
 }
@@ -56,12 +65,17 @@ impl Kernels for ScalarKernels {
         outs: &mut [&mut [f32]],
     ) -> Result<()> {
         let cols = check_matmul(ws, x, n_tok, outs)?;
-        let act = if ws.iter().any(|w| w.ty.is_quantized()) {
-            quantize_acts(x, n_tok, cols)?
+        let wants = |f| ws.iter().any(|w| w.ty.act_format() == Some(f));
+        let q8: Vec<BlockQ8> = if wants(ActFormat::Q8) {
+            quantize_rows(x, n_tok, cols, QK, quantize_act_row)?
         } else {
             Vec::new()
         };
-        let nb = cols / QK;
+        let q8k: Vec<BlockQ8K> = if wants(ActFormat::Q8K) {
+            quantize_rows(x, n_tok, cols, QK_K, quantize_act_row_k)?
+        } else {
+            Vec::new()
+        };
         let mut row_f32 = vec![0f32; cols];
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             for r in 0..w.rows {
@@ -70,10 +84,20 @@ impl Kernels for ScalarKernels {
                     dequantize_row(w.ty, &row, &mut row_f32)?;
                 }
                 for t in 0..n_tok {
-                    out[t * w.rows + r] = if w.ty.is_quantized() {
-                        vec_dot_q8(w.ty, &row, &act[t * nb..(t + 1) * nb])
-                    } else {
-                        dot(&row_f32, &x[t * cols..(t + 1) * cols])
+                    let act = match w.ty.act_format() {
+                        Some(ActFormat::Q8) => {
+                            let nb = cols / QK;
+                            Some(ActRow::Q8(&q8[t * nb..(t + 1) * nb]))
+                        }
+                        Some(ActFormat::Q8K) => {
+                            let nb = cols / QK_K;
+                            Some(ActRow::Q8K(&q8k[t * nb..(t + 1) * nb]))
+                        }
+                        None => None,
+                    };
+                    out[t * w.rows + r] = match act {
+                        Some(a) => vec_dot(w.ty, &row, a),
+                        None => dot(&row_f32, &x[t * cols..(t + 1) * cols]),
                     };
                 }
             }

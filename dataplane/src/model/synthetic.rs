@@ -158,6 +158,17 @@ impl TinyLlama {
         self.head_dim.unwrap_or(self.dim / self.n_heads)
     }
 
+    /// The default model with dimensions that are whole blocks of `ty` (the K-quants'
+    /// rows are multiples of 256).
+    pub fn fitting(ty: GgmlType) -> Self {
+        let d = Self::default();
+        Self {
+            dim: d.dim.next_multiple_of(ty.block_len()),
+            ffn_dim: d.ffn_dim.next_multiple_of(ty.block_len()),
+            ..d
+        }
+    }
+
     pub fn to_writer(&self) -> GgufWriter {
         let mut w = GgufWriter::new();
         let hd = self.head_size();

@@ -13,6 +13,7 @@ use crate::api::AttnShape;
 use crate::backend::{Backend, HostMatrix, PagedKvSpec, StepDesc};
 use crate::error::{Result, shape};
 use crate::rope::RopeTable;
+use crate::types::ActFormat;
 
 /// An operation whose CUDA kernel has not landed yet: refused, never computed wrong.
 fn not_yet(op: &str) -> crate::Error {
@@ -53,7 +54,8 @@ impl Backend for CudaBackend {
     type Rope = DeviceRope;
     type Kv = DeviceKv;
     type Step = CudaStep;
-    /// Q8 activation blocks (`quant::BlockQ8` layout) of a product's input.
+    /// A product input's activation blocks: `quant::BlockQ8` bytes, then
+    /// `quant::BlockQ8K` bytes (each format quantized only when a matrix consumes it).
     type Scratch = CudaSlice<u8>;
 
     fn name(&self) -> &'static str {
@@ -92,7 +94,8 @@ impl Backend for CudaBackend {
     }
 
     fn scratch(&self, values: usize) -> Result<CudaSlice<u8>> {
-        self.dev.zeros(launch::q8_bytes(values))
+        self.dev
+            .zeros(launch::q8_bytes(values) + launch::q8k_bytes(values))
     }
 
     fn prepare_step(&self, desc: StepDesc, kv: &DeviceKv) -> Result<CudaStep> {
@@ -135,9 +138,9 @@ impl Backend for CudaBackend {
         )
     }
 
-    /// Quantizes `x` once into `scratch` when any matrix is quantized (the activation
-    /// quantization the CPU backends do inside their products), then one product per
-    /// matrix.
+    /// Quantizes `x` once into `scratch` per activation format the matrices consume (the
+    /// activation quantization the CPU backends do inside their products), then one
+    /// product per matrix.
     fn matmul<const N: usize>(
         &self,
         ws: [&DeviceMatrix; N],
@@ -154,17 +157,28 @@ impl Backend for CudaBackend {
             ));
         }
         let d = &self.dev;
-        if ws.iter().any(|w| w.ty.is_quantized()) {
-            d.quantize_q8(&x.as_view(), n_tok * cols, &mut scratch.as_view_mut())?;
+        let n = n_tok * cols;
+        // BlockQ8 bytes first, BlockQ8K bytes after them.
+        let split = launch::q8_bytes(n);
+        let region = |fmt| match fmt {
+            ActFormat::Q8 => 0..split,
+            ActFormat::Q8K => split..split + launch::q8k_bytes(n),
+        };
+        if scratch.len() < split + launch::q8k_bytes(n) {
+            return Err(shape(
+                "matmul",
+                format!("scratch of {} bytes for {n} values", scratch.len()),
+            ));
+        }
+        for fmt in [ActFormat::Q8, ActFormat::Q8K] {
+            if ws.iter().any(|w| w.ty.act_format() == Some(fmt)) {
+                let mut dst = scratch.slice_mut(region(fmt));
+                d.quantize_act(fmt, &x.as_view(), n, &mut dst)?;
+            }
         }
         for (w, out) in ws.into_iter().zip(outs) {
-            d.matmul(
-                w,
-                &x.as_view(),
-                &scratch.as_view(),
-                n_tok,
-                &mut out.as_view_mut(),
-            )?;
+            let xq = scratch.slice(region(w.ty.act_format().unwrap_or(ActFormat::Q8)));
+            d.matmul(w, &x.as_view(), &xq, n_tok, &mut out.as_view_mut())?;
         }
         Ok(())
     }

@@ -9,6 +9,7 @@ use crate::cuda::launch;
 use crate::cuda::sources::Kernel;
 use crate::error::{Result, shape};
 use crate::rope::RopeStyle;
+use crate::types::ActFormat;
 
 impl CudaDevice {
     /// `out[t] = dequant(table row tokens[t])`. Precondition: every token < `table.rows`.
@@ -150,6 +151,42 @@ impl CudaDevice {
         })
     }
 
+    /// Quantize `n_values` activations into the blocks of `fmt` (BlockQ8 for the
+    /// 32-element formats, BlockQ8K for the K-quants; `n_values` a multiple of the block).
+    pub fn quantize_act(
+        &self,
+        fmt: ActFormat,
+        x: &CudaView<'_, f32>,
+        n_values: usize,
+        out: &mut CudaViewMut<'_, u8>,
+    ) -> Result<()> {
+        let (kernel, block) = match fmt {
+            ActFormat::Q8 => (Kernel::QuantizeQ8, crate::QK),
+            ActFormat::Q8K => (Kernel::QuantizeQ8K, crate::QK_K),
+        };
+        if !n_values.is_multiple_of(block) {
+            return Err(shape(
+                "quantize_act",
+                format!("{n_values} values into {fmt:?}"),
+            ));
+        }
+        len_check("quantize_act", "x", x.len(), n_values)?;
+        len_check(
+            "quantize_act",
+            "out",
+            out.len(),
+            launch::act_bytes(fmt, n_values),
+        )?;
+        let nb = n_values / block;
+        if nb == 0 {
+            return Ok(());
+        }
+        let nb64 = nb as u64;
+        self.launch(kernel, launch::quantize_q8(nb)?, |b| {
+            b.arg(x).arg(&nb64).arg(out);
+        })
+    }
+
     /// Quantize `n_values` activations (a multiple of 32) into BlockQ8 bytes.
     pub fn quantize_q8(
         &self,
@@ -157,18 +194,6 @@ impl CudaDevice {
         n_values: usize,
         out: &mut CudaViewMut<'_, u8>,
     ) -> Result<()> {
-        if !n_values.is_multiple_of(crate::QK) {
-            return Err(shape("quantize_q8", format!("{n_values} values")));
-        }
-        len_check("quantize_q8", "x", x.len(), n_values)?;
-        len_check("quantize_q8", "out", out.len(), launch::q8_bytes(n_values))?;
-        let nb = n_values / crate::QK;
-        if nb == 0 {
-            return Ok(());
-        }
-        let nb64 = nb as u64;
-        self.launch(Kernel::QuantizeQ8, launch::quantize_q8(nb)?, |b| {
-            b.arg(x).arg(&nb64).arg(out);
-        })
+        self.quantize_act(ActFormat::Q8, x, n_values, out)
     }
 }

@@ -7,10 +7,11 @@ use super::{CudaDevice, DeviceMatrix, i32_of, len_check, ty_id};
 use crate::cuda::launch::{self, MatmulKind};
 use crate::cuda::sources::Kernel;
 use crate::error::Result;
-use crate::types::GgmlType;
 
 impl CudaDevice {
-    /// [`CudaDevice::quantize_q8`] of `x` (shared by all matrices with the same input).
+    /// `out[t·rows + r] = Σ_c W[r][c] · x[t·cols + c]`. For quantized `w`, `xq` must hold
+    /// [`CudaDevice::quantize_act`] of `x` in `w`'s activation format (shared by all
+    /// matrices of that format with the same input).
     pub fn matmul(
         &self,
         w: &DeviceMatrix,
@@ -39,16 +40,16 @@ impl CudaDevice {
                     .arg(out);
             });
         }
-        len_check("matmul", "xq", xq.len(), launch::q8_bytes(n_tok * w.cols))?;
-        let nb = i32_of(w.cols / crate::QK)?;
-        let k = match (kind, w.ty) {
-            (MatmulKind::Vector, GgmlType::Q4_0) => Kernel::MmvqQ4_0,
-            (MatmulKind::Vector, GgmlType::Q4_1) => Kernel::MmvqQ4_1,
-            (MatmulKind::Vector, _) => Kernel::MmvqQ8_0,
-            (_, GgmlType::Q4_0) => Kernel::MmqQ4_0,
-            (_, GgmlType::Q4_1) => Kernel::MmqQ4_1,
-            _ => Kernel::MmqQ8_0,
-        };
+        let fmt = w.ty.act_format().expect("a quantized type");
+        len_check(
+            "matmul",
+            "xq",
+            xq.len(),
+            launch::act_bytes(fmt, n_tok * w.cols),
+        )?;
+        let nb = i32_of(w.cols / w.ty.block_len())?;
+        let k = Kernel::for_matmul(w.ty, kind == MatmulKind::Tiled)
+            .expect("launch::matmul checked the type");
         self.launch(k, l, |b| {
             b.arg(&w.data)
                 .arg(&rb)
