@@ -13,7 +13,7 @@ export IMAGE_REGISTRY ?= ghcr.io/tandem
 
 .PHONY: test lint unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check gpu-test \
 	kernel-fixtures kernel-fixtures-check \
-	bench bench-pd bench-local bench-vs-llamacpp bench-prefix llama-server faults helm manifests chart-check static images image-check e2e e2e-deps
+	bench bench-pd bench-local bench-vs-llamacpp bench-prefix llama-server llama-reference faults helm manifests chart-check static images image-check e2e e2e-deps
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
 ## the Helm chart and manifests, the images where a Docker daemon runs, the end-to-end
@@ -194,9 +194,16 @@ $(PY_VENV)/.stamp: scripts/requirements-test.txt
 	$(PY_VENV)/bin/pip install -q -r scripts/requirements-test.txt
 	touch $@
 
-## model: fetch SmolLM2-135M-Instruct Q4_1 into .cache/models (git-ignored)
+## model: fetch the models the tests serve into .cache/models (git-ignored, sha256-checked):
+## SmolLM2-135M-Instruct Q4_1, Qwen2.5-Coder-0.5B-Instruct and Gemma 3 270M (Q4_K_M);
+## `scripts/fetch-model.sh NAME` fetches one (`--list` names them)
 model:
-	scripts/fetch-model.sh
+	scripts/fetch-model.sh smollm2 qwen2.5-coder-0.5b gemma-3-270m
+
+## llama-reference: regenerate the llama.cpp fixtures (dataplane/tests/fixtures/llamacpp/)
+## with llama.cpp itself (builds libllama once: scripts/build-llama-tools.sh). Not part of `test`.
+llama-reference: model pyenv
+	$(PYTHON) scripts/llamacpp_reference.py
 
 fmt:
 	cargo fmt --all

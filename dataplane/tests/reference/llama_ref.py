@@ -86,13 +86,35 @@ def q8_round_trip(x):
     return (qa * da[..., None]).reshape(x.shape).astype(np.float32)
 
 
+K_QUANTS = (10, 11, 12, 13, 14)  # Q2_K .. Q6_K
+
+
 class GWeight(QWeight):
-    """Any other block type, dequantized by the gguf package."""
+    """Any other block type, dequantized by the gguf package. Q5_0/Q5_1 multiply Q8
+    activations (32 per scale, as Q4_0); the K-quants multiply Q8_K activations: 256 per
+    scale, iscale = 127/amax, d = 1/iscale (ggml's quantize_row_q8_K)."""
 
     def __init__(self, ty, raw, rows, cols):
         self.ty = ty
         self.w = dequantize(raw.reshape(rows, -1), GGMLQuantizationType(ty)).astype(np.float32)
         assert self.w.shape == (rows, cols), (self.w.shape, rows, cols)
+
+    def __call__(self, x):
+        if not ACT_Q8:
+            return (x @ self.w.T).astype(np.float32)
+        if self.ty in K_QUANTS:
+            return (q8k_round_trip(x) @ self.w.T).astype(np.float32)
+        return (q8_round_trip(x) @ self.w.T).astype(np.float32)
+
+
+def q8k_round_trip(x):
+    """Quantize-dequantize the last axis per 256-block as Q8_K."""
+    xb = x.reshape(*x.shape[:-1], -1, 256)
+    amax = np.abs(xb).max(axis=-1)
+    iscale = np.where(amax != 0, np.float32(127.0) / np.where(amax != 0, amax, 1), 0).astype(np.float32)
+    d = np.where(iscale != 0, np.float32(1.0) / np.where(iscale != 0, iscale, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(np.clip(xb * iscale[..., None], -127, 127)), -127, 127).astype(np.float32)
+    return (q * d[..., None]).reshape(x.shape).astype(np.float32)
 
 
 class FWeight:

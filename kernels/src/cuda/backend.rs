@@ -15,13 +15,6 @@ use crate::error::{Result, shape};
 use crate::rope::RopeTable;
 use crate::types::ActFormat;
 
-/// An operation whose CUDA kernel has not landed yet: refused, never computed wrong.
-fn not_yet(op: &str) -> crate::Error {
-    crate::Error::Cuda(format!(
-        "the CUDA backend has no {op} kernel yet; serve this model with --device cpu"
-    ))
-}
-
 pub struct CudaBackend {
     dev: CudaDevice,
 }
@@ -230,9 +223,6 @@ impl Backend for CudaBackend {
         layer: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        if s.window.is_some() {
-            return Err(not_yet("sliding-window attention"));
-        }
         self.dev.attention(
             s,
             &q.as_view(),
@@ -245,24 +235,25 @@ impl Backend for CudaBackend {
 
     fn rmsnorm_in_place(
         &self,
-        _x: &mut CudaSlice<f32>,
-        _w: &CudaSlice<f32>,
-        _eps: f32,
-        _rows: usize,
+        x: &mut CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        rows: usize,
     ) -> Result<()> {
-        Err(not_yet("per-head RMS norm"))
+        self.dev
+            .rmsnorm_in_place(&mut x.as_view_mut(), &w.as_view(), eps, rows)
     }
 
-    fn add_bias(&self, _x: &mut CudaSlice<f32>, _b: &CudaSlice<f32>, _rows: usize) -> Result<()> {
-        Err(not_yet("bias add"))
+    fn add_bias(&self, x: &mut CudaSlice<f32>, b: &CudaSlice<f32>, rows: usize) -> Result<()> {
+        self.dev.add_bias(&mut x.as_view_mut(), &b.as_view(), rows)
     }
 
-    fn scale(&self, _x: &mut CudaSlice<f32>, _s: f32, _n: usize) -> Result<()> {
-        Err(not_yet("scale"))
+    fn scale(&self, x: &mut CudaSlice<f32>, s: f32, n: usize) -> Result<()> {
+        self.dev.scale(&mut x.as_view_mut(), s, n)
     }
 
-    fn gelu_mul(&self, _g: &mut CudaSlice<f32>, _u: &CudaSlice<f32>, _n: usize) -> Result<()> {
-        Err(not_yet("GeGLU"))
+    fn gelu_mul(&self, g: &mut CudaSlice<f32>, u: &CudaSlice<f32>, n: usize) -> Result<()> {
+        self.dev.gelu_mul(&mut g.as_view_mut(), &u.as_view(), n)
     }
 
     fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>, n: usize) -> Result<()> {

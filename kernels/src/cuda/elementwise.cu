@@ -8,6 +8,29 @@ extern "C" __global__ void tandem_silu_mul(float* gate, const float* up, u64 n) 
     gate[i] = g / (1.0f + expf(-g)) * up[i];
 }
 
+// gate = gelu(gate) * up (GeGLU), GELU's tanh approximation as in the reference:
+// 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2))).
+extern "C" __global__ void tandem_gelu_mul(float* gate, const float* up, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = gate[i];
+    gate[i] = 0.5f * g * (1.0f + tanhf(0.7978846f * g * (1.0f + 0.044715f * g * g))) * up[i];
+}
+
+// x[r][c] += bias[c] for rows of `width` (projection biases).
+extern "C" __global__ void tandem_add_bias(float* x, const float* bias, u64 n, int width) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    x[i] += bias[i % (u64)width];
+}
+
+// x *= s (Gemma's embedding scale).
+extern "C" __global__ void tandem_scale(float* x, float s, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    x[i] *= s;
+}
+
 // x += y (residual connections).
 extern "C" __global__ void tandem_add(float* x, const float* y, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

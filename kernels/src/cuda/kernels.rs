@@ -172,12 +172,24 @@ impl Kernels for CudaKernels {
         Ok(())
     }
 
-    fn rmsnorm_in_place(&self, _x: &mut [f32], _w: &[f32], _eps: f32) -> Result<()> {
-        Err(crate::Error::Cuda("no per-head RMS norm kernel yet".into()))
+    fn rmsnorm_in_place(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<()> {
+        crate::reference::check_rmsnorm_in_place(x, w)?;
+        let _g = self.guard();
+        let d = &self.dev;
+        let (mut xd, wd) = (d.upload(x)?, d.upload(w)?);
+        d.rmsnorm_in_place(&mut xd.as_view_mut(), &wd.as_view(), eps, x.len() / w.len())?;
+        x.copy_from_slice(&d.download(&xd.as_view(), x.len())?);
+        Ok(())
     }
 
-    fn gelu_mul(&self, _gate: &mut [f32], _up: &[f32]) -> Result<()> {
-        Err(crate::Error::Cuda("no GeGLU kernel yet".into()))
+    fn gelu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
+        crate::reference::check_glu("gelu_mul", gate, up)?;
+        let _g = self.guard();
+        let d = &self.dev;
+        let (mut gd, ud) = (d.upload(gate)?, d.upload(up)?);
+        d.gelu_mul(&mut gd.as_view_mut(), &ud.as_view(), gate.len())?;
+        gate.copy_from_slice(&d.download(&gd.as_view(), gate.len())?);
+        Ok(())
     }
 
     /// The forward pass never softmaxes on its own (attention fuses it), so this stays on
@@ -196,11 +208,6 @@ impl Kernels for CudaKernels {
         out: &mut [f32],
     ) -> Result<()> {
         check_attention(s, q, queries, k, v, out)?;
-        if s.window.is_some() {
-            return Err(crate::Error::Cuda(
-                "no sliding-window attention kernel yet".into(),
-            ));
-        }
         if k.ty != v.ty || k.block_tokens != v.block_tokens || k.data.len() != v.data.len() {
             return Err(shape("attention", "K and V pools differ in layout"));
         }

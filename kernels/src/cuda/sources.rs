@@ -68,8 +68,12 @@ pub const SOURCES: [Source; 8] = [
 pub enum Kernel {
     Embed,
     RmsNorm,
+    RmsNormInPlace,
     Rope,
     SiluMul,
+    GeluMul,
+    AddBias,
+    Scale,
     Add,
     GatherRows,
     QuantizeQ8,
@@ -102,11 +106,15 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 33] = [
+    pub const ALL: [Kernel; 37] = [
         Kernel::Embed,
         Kernel::RmsNorm,
+        Kernel::RmsNormInPlace,
         Kernel::Rope,
         Kernel::SiluMul,
+        Kernel::GeluMul,
+        Kernel::AddBias,
+        Kernel::Scale,
         Kernel::Add,
         Kernel::GatherRows,
         Kernel::QuantizeQ8,
@@ -143,8 +151,12 @@ impl Kernel {
         match self {
             Kernel::Embed => "tandem_embed",
             Kernel::RmsNorm => "tandem_rmsnorm",
+            Kernel::RmsNormInPlace => "tandem_rmsnorm_inplace",
             Kernel::Rope => "tandem_rope",
             Kernel::SiluMul => "tandem_silu_mul",
+            Kernel::GeluMul => "tandem_gelu_mul",
+            Kernel::AddBias => "tandem_add_bias",
+            Kernel::Scale => "tandem_scale",
             Kernel::Add => "tandem_add",
             Kernel::GatherRows => "tandem_gather_rows",
             Kernel::QuantizeQ8 => "tandem_quantize_q8",
@@ -181,9 +193,12 @@ impl Kernel {
     pub fn file(self) -> &'static str {
         match self {
             Kernel::Embed => "embed.cu",
-            Kernel::RmsNorm => "norm.cu",
+            Kernel::RmsNorm | Kernel::RmsNormInPlace => "norm.cu",
             Kernel::Rope => "rope.cu",
             Kernel::SiluMul
+            | Kernel::GeluMul
+            | Kernel::AddBias
+            | Kernel::Scale
             | Kernel::Add
             | Kernel::GatherRows
             | Kernel::QuantizeQ8

@@ -201,6 +201,11 @@ impl CudaDevice {
             i32_of(s.head_dim)?,
         );
         let scale = 1.0 / (s.head_dim as f32).sqrt();
+        // 0: no window.
+        let window = i32_of(s.window.unwrap_or(0))?;
+        if s.window == Some(0) {
+            return Err(shape("attention", "a sliding window of 0 positions"));
+        }
         if plan.n_singles > 0 {
             let l = launch::attn_decode(s.n_heads, plan.n_singles, s.head_dim)?;
             self.launch(Kernel::AttnDecode, l, |b| {
@@ -219,7 +224,8 @@ impl CudaDevice {
                     .arg(&nh)
                     .arg(&nkv)
                     .arg(&hd)
-                    .arg(&scale);
+                    .arg(&scale)
+                    .arg(&window);
             })?;
         }
         if plan.n_tiles > 0 {
@@ -241,7 +247,8 @@ impl CudaDevice {
                     .arg(&nkv)
                     .arg(&hd)
                     .arg(&scale)
-                    .arg(&bk);
+                    .arg(&bk)
+                    .arg(&window);
             })?;
         }
         Ok(())

@@ -106,6 +106,77 @@ impl CudaDevice {
         })
     }
 
+    /// RMS norm in place of `rows` rows of `w.len()` (per-head norms).
+    pub fn rmsnorm_in_place(
+        &self,
+        x: &mut CudaViewMut<'_, f32>,
+        w: &CudaView<'_, f32>,
+        eps: f32,
+        rows: usize,
+    ) -> Result<()> {
+        let dim = w.len();
+        len_check("rmsnorm_in_place", "x", x.len(), rows * dim)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let d = i32_of(dim)?;
+        self.launch(Kernel::RmsNormInPlace, launch::per_row(rows, 256)?, |b| {
+            b.arg(x).arg(w).arg(&eps).arg(&d);
+        })
+    }
+
+    /// `gate[..n] = gelu_tanh(gate) · up`.
+    pub fn gelu_mul(
+        &self,
+        gate: &mut CudaViewMut<'_, f32>,
+        up: &CudaView<'_, f32>,
+        n: usize,
+    ) -> Result<()> {
+        len_check("gelu_mul", "gate", gate.len(), n)?;
+        len_check("gelu_mul", "up", up.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        self.launch(Kernel::GeluMul, launch::elementwise(n)?, |b| {
+            b.arg(gate).arg(up).arg(&n64);
+        })
+    }
+
+    /// `x[r] += bias` for `rows` rows of `bias.len()`.
+    pub fn add_bias(
+        &self,
+        x: &mut CudaViewMut<'_, f32>,
+        bias: &CudaView<'_, f32>,
+        rows: usize,
+    ) -> Result<()> {
+        let width = bias.len();
+        if width == 0 {
+            return Err(shape("add_bias", "an empty bias"));
+        }
+        let n = rows * width;
+        len_check("add_bias", "x", x.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (n64, w) = (n as u64, i32_of(width)?);
+        self.launch(Kernel::AddBias, launch::elementwise(n)?, |b| {
+            b.arg(x).arg(bias).arg(&n64).arg(&w);
+        })
+    }
+
+    /// `x[..n] *= s`.
+    pub fn scale(&self, x: &mut CudaViewMut<'_, f32>, s: f32, n: usize) -> Result<()> {
+        len_check("scale", "x", x.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        self.launch(Kernel::Scale, launch::elementwise(n)?, |b| {
+            b.arg(x).arg(&s).arg(&n64);
+        })
+    }
+
     /// `gate[..n] = silu(gate) · up`.
     pub fn silu_mul(
         &self,
