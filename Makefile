@@ -12,13 +12,14 @@ export HELM := $(CURDIR)/.cache/bin/helm
 export IMAGE_REGISTRY ?= ghcr.io/tandem
 
 .PHONY: test lint module-cycles unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check gpu-test \
-	bench bench-pd bench-local bench-vs-llamacpp bench-prefix llama-server faults helm manifests chart-check static images image-check e2e e2e-deps
+	kernel-fixtures kernel-fixtures-check \
+	bench bench-pd bench-local bench-vs-llamacpp bench-prefix llama-server llama-reference faults helm manifests chart-check static images image-check e2e e2e-deps
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
 ## the Helm chart and manifests, the images (built without a daemon), the end-to-end suite
 ## on a real cluster). e2e-deps comes first: the Go build of the Kubernetes components
 ## peaks at ~5 GB of caches, removed before the Rust builds fill target/.
-test: e2e-deps lint crd-check pyenv model unit validate-crd chart-check image-check cuda-check e2e
+test: e2e-deps lint crd-check pyenv kernel-fixtures-check model unit validate-crd chart-check image-check cuda-check e2e
 
 # Without rustfmt or clippy (a toolchain lacking the component) the rest of `make test`
 # still runs, and one line says what was skipped. The e2e scenarios are not a `cargo test`
@@ -123,17 +124,22 @@ bench-local: model
 	cat /proc/loadavg
 
 ## bench-vs-llamacpp: Tandem (--role both --max-batch 32) side by side with llama.cpp's
-## llama-server (-np 32, continuous batching) on SmolLM2, same prompts and threads, the two
-## servers alternating: tok/s and TTFT at C=1/8/32, TTFT with a shared ~400-token system
-## prompt. Builds llama-server from source once (scripts/build-llama-server.sh, cached in
-## .cache/llama.cpp). Not part of `test`. BENCH_ARGS passes options (e.g. --reps 5 --threads 4).
+## llama-server (-np 32, continuous batching), same model, prompts and threads, the two
+## servers alternating: tok/s and TTFT at C=1/8/32, peak RSS against file + KV pool, TTFT
+## with a shared ~400-token system prompt; prints the issue's targets and draws tok/s
+## against concurrency as docs/bench-vs-llamacpp-<model>.svg. MODEL= picks the GGUF (a file
+## in .cache/models or a path; default SmolLM2-135M Q4_1), e.g.
+## MODEL=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf. Builds llama-server from source once
+## (scripts/build-llama-server.sh, cached in .cache/llama.cpp). Not part of `test`.
+## BENCH_ARGS passes options (e.g. --reps 5 --threads 4 --concurrency 1,2,4,8,16,32).
+BENCH_MODEL = $(if $(MODEL),$(if $(wildcard $(MODEL)),$(MODEL),$(MODEL_DIR)/$(MODEL)),$(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf)
 bench-vs-llamacpp: model llama-server
 	@start=$$(date +%s); \
 	nice -n 10 cargo build --release -p tandem-dataplane --bin tandem-dataplane --example bench_vs_llamacpp \
 	  && ./target/release/examples/bench_vs_llamacpp \
 	    --tandem target/release/tandem-dataplane \
 	    --llama-server "$$(scripts/build-llama-server.sh --path)" \
-	    --model $(MODEL_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf $(BENCH_ARGS); \
+	    --model $(BENCH_MODEL) $(BENCH_ARGS); \
 	rc=$$?; echo "bench-vs-llamacpp: benchmark part took $$(( $$(date +%s) - start )) s"; exit $$rc
 
 ## bench-prefix: the prefix cache over HTTP: TTFT of a request whose ~400-token system prompt
@@ -157,6 +163,15 @@ crds:
 crd-check:
 	cargo run -q -p tandem-operator --bin crdgen | diff -u crds/pddeployment.yaml - \
 	  || (echo "crds/pddeployment.yaml is stale: run 'make crds'" >&2; exit 1)
+
+## kernel-fixtures: regenerate the quantized formats' reference fixtures from gguf-py's numpy
+## dequantization (scripts/quant_reference.py; kernels/tests/quant_reference.rs reads them)
+kernel-fixtures: pyenv
+	$(PYTHON) scripts/quant_reference.py > kernels/tests/fixtures/quant_reference.json
+
+kernel-fixtures-check: pyenv
+	@$(PYTHON) scripts/quant_reference.py | diff -q kernels/tests/fixtures/quant_reference.json - >/dev/null \
+	  || (echo "kernels/tests/fixtures/quant_reference.json is stale: run 'make kernel-fixtures'" >&2; exit 1)
 
 validate-crd: pyenv
 	$(PY_VENV)/bin/kubernetes-validate --strict --kubernetes-version 1.33.0 crds/pddeployment.yaml
@@ -198,9 +213,16 @@ $(PY_VENV)/.stamp: scripts/requirements-test.txt
 	$(PY_VENV)/bin/pip install -q -r scripts/requirements-test.txt
 	touch $@
 
-## model: fetch SmolLM2-135M-Instruct Q4_1 into .cache/models (git-ignored)
+## model: fetch the models the tests serve into .cache/models (git-ignored, sha256-checked):
+## SmolLM2-135M-Instruct Q4_1, Qwen2.5-Coder-0.5B-Instruct and Gemma 3 270M (Q4_K_M);
+## `scripts/fetch-model.sh NAME` fetches one (`--list` names them)
 model:
-	scripts/fetch-model.sh
+	scripts/fetch-model.sh smollm2 qwen2.5-coder-0.5b gemma-3-270m
+
+## llama-reference: regenerate the llama.cpp fixtures (dataplane/tests/fixtures/llamacpp/)
+## with llama.cpp itself (builds libllama once: scripts/build-llama-tools.sh). Not part of `test`.
+llama-reference: model pyenv
+	$(PYTHON) scripts/llamacpp_reference.py
 
 fmt:
 	cargo fmt --all

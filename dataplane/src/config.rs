@@ -82,6 +82,10 @@ pub struct ModelFlags {
     /// Name clients use in `model`; defaults to the model file name without `.gguf`.
     #[arg(long = contract::SERVED_MODEL_NAME.flag, env = contract::SERVED_MODEL_NAME.env)]
     pub served_model_name: Option<String>,
+    /// Jinja chat template file for `/v1/chat/completions`, instead of the model's own
+    /// `tokenizer.chat_template` (needed for a model that has none, such as a base model).
+    #[arg(long, env = "TANDEM_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
     /// Compute device: `cpu`, or `cuda` / `cuda:N` in a build with feature `cuda`.
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: Device,
@@ -352,6 +356,9 @@ impl Config {
             for peer in &self.kv.prefill_peers {
                 check_peer(peer)?;
             }
+        }
+        if let Some(t) = &self.model.chat_template {
+            crate::chat::read_template_file(t)?;
         }
         check_model_file(&self.model.path)
     }

@@ -48,6 +48,10 @@ pub enum Error {
         #[source]
         source: zmq::Error,
     },
+    /// A model file this engine cannot serve: each entry names what is missing
+    /// (architecture, tensor type, tokenizer, pre-tokenizer) and what is supported.
+    #[error("this engine cannot serve this model: {}", .0.join("; "))]
+    Unsupported(Vec<String>),
     /// A malformed or unsupported GGUF file; the message names the key or tensor.
     #[error("GGUF: {0}")]
     Gguf(#[source] crate::gguf::GgufError),

@@ -10,7 +10,31 @@ use tandem_dataplane::server;
 /// After the drain: how long stopping the KV loops and the engine thread may take.
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_millis(600);
 
-fn main() -> anyhow::Result<()> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {}", report(&e));
+        std::process::exit(1);
+    }
+}
+
+/// The error and its causes on one line, each cause once: the library's errors already
+/// print their source in their message, which a plain cause chain would repeat.
+fn report(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
+fn run() -> anyhow::Result<()> {
     tandem_dataplane::parent::die_with_parent()?; // no orphan when the local runtime dies
     let (cfg, deprecated) =
         match Config::parse_with_deprecations(std::env::args_os(), |k| std::env::var_os(k)) {

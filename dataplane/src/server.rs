@@ -4,6 +4,7 @@ mod api_error;
 mod completions;
 mod conn;
 mod fields;
+mod messages;
 #[cfg(test)]
 mod limits_tests;
 mod output;

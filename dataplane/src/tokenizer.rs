@@ -1,10 +1,22 @@
-//! Byte-level BPE tokenizer built from GGUF metadata (`tokenizer.ggml.*`).
+//! Tokenizers built from GGUF metadata (`tokenizer.ggml.*`), as llama.cpp builds and runs
+//! them (it is the reference the tests hold them against):
+//! - `gpt2`: byte-level BPE after a pre-tokenizer named by `tokenizer.ggml.pre`
+//!   ([`pretok`]: the SmolLM/StarCoder, GPT-2, Llama 3 and Qwen2 patterns);
+//! - `llama`: SentencePiece with scores and byte fallback ([`spm`]: Llama 2, Mistral,
+//!   Gemma).
+//!
+//! Both first cut the text at special tokens ([`special`]): user-defined tokens always,
+//! control tokens when asked to (`parse_special`: chat templates and raw completion
+//! prompts; never chat message content, see [`Tokenizer::protect`]).
 
 mod bpe;
 mod byte_map;
 mod from_gguf;
 mod pretok;
+mod special;
+mod spm;
 mod stream;
+mod unicode;
 
 use std::collections::{HashMap, HashSet};
 
@@ -13,6 +25,9 @@ use bpe::Bpe;
 use byte_map::ByteMap;
 pub use from_gguf::chat_template;
 use pretok::PreTokenizer;
+pub use pretok::supported_names as supported_pre_tokenizers;
+use special::{Fragment, Specials, unprotect};
+use spm::Spm;
 pub use stream::StreamDecoder;
 
 /// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
@@ -25,32 +40,46 @@ pub mod token_type {
     pub const BYTE: i32 = 6;
 }
 
-/// Control tokens that end a turn in common chat formats. A model may emit one of them
-/// instead of its declared EOS (SmolLM2 declares `<|im_end|>` but can also produce
-/// `<|endoftext|>`); generation stops on any of them.
+/// `tokenizer.ggml.model` values this engine tokenizes.
+pub const SUPPORTED_MODELS: &[&str] = &["gpt2", "llama"];
+
+/// Token texts that end generation whatever their type (llama.cpp's end-of-generation
+/// list): a model may emit one of them instead of its declared EOS (SmolLM2 declares
+/// `<|im_end|>` but can also produce `<|endoftext|>`).
 const END_OF_GENERATION_TEXTS: &[&str] = &[
     "<|endoftext|>",
     "<|im_end|>",
     "<|eot_id|>",
+    "<|eom_id|>",
     "<|end|>",
     "<end_of_turn>",
+    "<|end_of_text|>",
+    "<EOT>",
 ];
 
 /// Everything needed to build a tokenizer, as plain values (from GGUF metadata or tests).
 #[derive(Debug, Clone, Default)]
 pub struct TokenizerSpec {
-    /// `tokenizer.ggml.model`; only `gpt2` (byte-level BPE) is supported.
+    /// `tokenizer.ggml.model`: `gpt2` (byte-level BPE) or `llama` (SentencePiece).
     pub model: String,
-    /// `tokenizer.ggml.pre`.
+    /// `tokenizer.ggml.pre` (BPE only).
     pub pre: String,
     pub tokens: Vec<String>,
     /// One per token; empty means all normal.
     pub token_types: Vec<i32>,
-    /// `"left right"` pairs in rank order.
+    /// SentencePiece scores, one per token; empty means all 0.
+    pub scores: Vec<f32>,
+    /// `"left right"` pairs in rank order (BPE).
     pub merges: Vec<String>,
     pub bos_id: Option<u32>,
     pub eos_id: Option<u32>,
-    pub add_bos: bool,
+    /// `tokenizer.ggml.eot_token_id` / `eom_token_id`: also end generation.
+    pub eot_ids: Vec<u32>,
+    /// `tokenizer.ggml.add_bos_token`; `None`: the tokenizer model's default.
+    pub add_bos: Option<bool>,
+    pub add_eos: bool,
+    /// `tokenizer.ggml.add_space_prefix` (SentencePiece; default true).
+    pub add_space_prefix: Option<bool>,
 }
 
 /// Turns sampled ids into output bytes; the scheduler depends only on this.
@@ -59,18 +88,47 @@ pub trait TokenText: Send + Sync {
     fn token_bytes(&self, id: u32) -> &[u8];
 }
 
+enum Model {
+    Bpe {
+        pre: PreTokenizer,
+        bpe: Box<Bpe>,
+    },
+    Spm {
+        spm: Box<Spm>,
+        add_space_prefix: bool,
+    },
+}
+
 pub struct Tokenizer {
-    pre: PreTokenizer,
-    bpe: Bpe,
-    /// Decoded bytes per id.
+    model: Model,
+    /// Decoded bytes per id, special tokens as their text.
     pieces: Vec<Vec<u8>>,
+    /// Control, unknown and unused tokens: no text in generated output.
     special: HashSet<u32>,
-    /// Special token texts recognized inside input text, longest first.
-    special_texts: Vec<(String, u32)>,
+    specials: Specials,
     bos_id: Option<u32>,
     eos_id: Option<u32>,
     add_bos: bool,
+    add_eos: bool,
     end_of_generation: Vec<u32>,
+}
+
+/// Whether `tokenizer.ggml.model = model` with `tokenizer.ggml.pre = pre` can be served;
+/// the reason, naming what is supported, when not.
+pub fn check_support(model: &str, pre: &str) -> std::result::Result<(), String> {
+    match model {
+        "llama" => Ok(()),
+        "gpt2" => PreTokenizer::from_name(pre).map(|_| ()).map_err(|_| {
+            format!(
+                "pre-tokenizer '{pre}' (tokenizer.ggml.pre; supported: {})",
+                supported_pre_tokenizers().join(", ")
+            )
+        }),
+        other => Err(format!(
+            "tokenizer model '{other}' (tokenizer.ggml.model; supported: gpt2 (byte-level BPE), \
+             llama (SentencePiece))"
+        )),
+    }
 }
 
 impl Tokenizer {
@@ -79,13 +137,8 @@ impl Tokenizer {
     }
 
     pub fn new(spec: TokenizerSpec) -> Result<Self> {
-        if spec.model != "gpt2" {
-            return Err(Error::Tokenizer(format!(
-                "unsupported tokenizer model '{}' (tokenizer.ggml.model); only byte-level BPE 'gpt2' is supported",
-                spec.model
-            )));
-        }
-        let pre = PreTokenizer::from_name(&spec.pre)?;
+        check_support(&spec.model, &spec.pre)
+            .map_err(|e| Error::Tokenizer(format!("unsupported {e}")))?;
         let n = spec.tokens.len();
         if !spec.token_types.is_empty() && spec.token_types.len() != n {
             return Err(Error::Tokenizer(format!(
@@ -93,76 +146,82 @@ impl Tokenizer {
                 spec.token_types.len()
             )));
         }
-        let ty = |i: usize| {
-            spec.token_types
-                .get(i)
-                .copied()
-                .unwrap_or(token_type::NORMAL)
-        };
-        let bytes = ByteMap::new();
-        let ids: HashMap<&str, u32> = spec
-            .tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.as_str(), i as u32))
-            .collect();
-
-        let mut byte_ids = [None; 256];
-        for b in 0..=255u8 {
-            byte_ids[b as usize] = ids.get(bytes.char_of(b).to_string().as_str()).copied();
-        }
-        let missing = byte_ids.iter().filter(|b| b.is_none()).count();
-        if missing > 128 {
+        if !spec.scores.is_empty() && spec.scores.len() != n {
             return Err(Error::Tokenizer(format!(
-                "vocabulary lacks {missing} of 256 byte tokens: not a byte-level BPE vocabulary"
+                "{} token scores for {n} tokens",
+                spec.scores.len()
             )));
         }
-
-        let mut merges = HashMap::with_capacity(spec.merges.len());
-        for (rank, m) in spec.merges.iter().enumerate() {
-            let (l, r) = m.split_once(' ').ok_or_else(|| {
-                Error::Tokenizer(format!("merge {rank} '{m}' is not 'left right'"))
-            })?;
-            let lookup = |s: &str| {
-                ids.get(s).copied().ok_or_else(|| {
-                    Error::Tokenizer(format!(
-                        "merge {rank} '{m}' names '{s}', not in the vocabulary"
-                    ))
-                })
-            };
-            let merged = format!("{l}{r}");
-            let key = (lookup(l)?, lookup(r)?);
-            // A duplicate pair keeps its first (lowest) rank.
-            merges.entry(key).or_insert((rank as u32, lookup(&merged)?));
+        let mut ty: Vec<i32> = (0..n)
+            .map(|i| {
+                spec.token_types
+                    .get(i)
+                    .copied()
+                    .unwrap_or(token_type::NORMAL)
+            })
+            .collect();
+        // As llama.cpp: end-of-turn texts are control tokens whatever the file says.
+        for (i, t) in spec.tokens.iter().enumerate() {
+            if END_OF_GENERATION_TEXTS.contains(&t.as_str()) {
+                ty[i] = token_type::CONTROL;
+            }
         }
-
+        let is_spm = spec.model == "llama";
+        let (model, default_bos) = if is_spm {
+            let spm = Box::new(Spm::new(&spec.tokens, spec.scores.clone()));
+            if !spm.has_byte_tokens() {
+                return Err(Error::Tokenizer(
+                    "SentencePiece vocabulary without the 256 <0xXX> byte tokens: byte \
+                     fallback is impossible"
+                        .into(),
+                ));
+            }
+            let add_space_prefix = spec.add_space_prefix.unwrap_or(true);
+            (
+                Model::Spm {
+                    spm,
+                    add_space_prefix,
+                },
+                true,
+            )
+        } else {
+            let pre = PreTokenizer::from_name(&spec.pre)?;
+            (
+                Model::Bpe {
+                    bpe: Box::new(bpe_tables(&spec)?),
+                    pre,
+                },
+                pre.add_bos_default,
+            )
+        };
+        let bytes = ByteMap::new();
         let mut pieces = Vec::with_capacity(n);
         let mut special = HashSet::new();
-        let mut special_texts = Vec::new();
+        let mut partition = Vec::new();
         for (i, t) in spec.tokens.iter().enumerate() {
             let id = i as u32;
-            match ty(i) {
-                token_type::CONTROL | token_type::USER_DEFINED => {
-                    if ty(i) == token_type::CONTROL {
-                        special.insert(id);
-                    }
-                    if !t.is_empty() {
-                        special_texts.push((t.clone(), id));
-                    }
-                    pieces.push(t.as_bytes().to_vec());
+            let piece = match ty[i] {
+                token_type::CONTROL | token_type::UNKNOWN => {
+                    special.insert(id);
+                    partition.push((t.clone(), id, true));
+                    t.as_bytes().to_vec()
                 }
-                // Normal tokens are stored byte-mapped; anything else is taken literally.
-                _ => pieces.push(bytes.bytes_of(t).unwrap_or_else(|| t.as_bytes().to_vec())),
-            }
-        }
-        special_texts.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
-
-        let mut end_of_generation: Vec<u32> = spec.eos_id.into_iter().collect();
-        for &(ref text, id) in &special_texts {
-            if END_OF_GENERATION_TEXTS.contains(&text.as_str()) && !end_of_generation.contains(&id)
-            {
-                end_of_generation.push(id);
-            }
+                token_type::USER_DEFINED => {
+                    partition.push((t.clone(), id, false));
+                    t.as_bytes().to_vec()
+                }
+                token_type::UNUSED => {
+                    special.insert(id);
+                    t.as_bytes().to_vec()
+                }
+                token_type::BYTE if is_spm => {
+                    byte_of(t).map_or_else(|| t.as_bytes().to_vec(), |b| vec![b])
+                }
+                _ if is_spm => t.replace(spm::SPACE, " ").into_bytes(),
+                // Normal BPE tokens are stored byte-mapped; anything else is taken literally.
+                _ => bytes.bytes_of(t).unwrap_or_else(|| t.as_bytes().to_vec()),
+            };
+            pieces.push(piece);
         }
         for (name, id) in [("bos", spec.bos_id), ("eos", spec.eos_id)] {
             if let Some(id) = id.filter(|&id| id as usize >= n) {
@@ -171,16 +230,31 @@ impl Tokenizer {
                 )));
             }
         }
-
+        let mut end_of_generation: Vec<u32> = spec.eos_id.into_iter().collect();
+        let texts = spec
+            .tokens
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| END_OF_GENERATION_TEXTS.contains(&t.as_str()));
+        for id in spec
+            .eot_ids
+            .iter()
+            .copied()
+            .chain(texts.map(|(i, _)| i as u32))
+        {
+            if (id as usize) < n && !end_of_generation.contains(&id) {
+                end_of_generation.push(id);
+            }
+        }
         Ok(Self {
-            pre,
-            bpe: Bpe::new(merges, byte_ids),
+            model,
             pieces,
             special,
-            special_texts,
+            specials: Specials::new(partition),
             bos_id: spec.bos_id,
             eos_id: spec.eos_id,
-            add_bos: spec.add_bos,
+            add_bos: spec.add_bos.unwrap_or(default_bos),
+            add_eos: spec.add_eos,
             end_of_generation,
         })
     }
@@ -193,6 +267,10 @@ impl Tokenizer {
     }
     pub fn eos_id(&self) -> Option<u32> {
         self.eos_id
+    }
+    /// Whether [`Tokenizer::encode`] with `add_special` prepends BOS.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos && self.bos_id.is_some()
     }
     /// Ids that end generation (EOS plus end-of-turn control tokens).
     pub fn end_of_generation(&self) -> &[u32] {
@@ -208,45 +286,83 @@ impl Tokenizer {
             .map(|b| String::from_utf8_lossy(b).into_owned())
     }
 
-    /// Tokenize `text`. `add_special`: prepend BOS when the model asks for it
-    /// (`add_bos_token`). `parse_special`: special-token texts such as `<|im_start|>`
-    /// become their ids instead of being tokenized as characters.
+    /// Tokenize `text` as llama.cpp's `llama_tokenize`. `add_special`: BOS (and EOS) as
+    /// the model asks for them. `parse_special`: control-token texts such as
+    /// `<|im_start|>` become their ids instead of being tokenized as characters.
     pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Vec<u32> {
+        self.encode_with(text, add_special, parse_special, false)
+    }
+
+    /// Tokenize a rendered chat template: control tokens parsed, except inside the message
+    /// content that [`Tokenizer::protect`] marked, which stays text.
+    pub fn encode_rendered(&self, text: &str, add_special: bool) -> Vec<u32> {
+        self.encode_with(text, add_special, true, true)
+    }
+
+    fn encode_with(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+        protected: bool,
+    ) -> Vec<u32> {
         let mut out = Vec::new();
         if add_special && self.add_bos {
             out.extend(self.bos_id);
         }
-        let mut rest = text;
-        while !rest.is_empty() {
-            let found = if parse_special {
-                self.find_special(rest)
-            } else {
-                None
-            };
-            let (plain, special) = match found {
-                Some((pos, len, id)) => (&rest[..pos], Some((len, id))),
-                None => (rest, None),
-            };
-            for piece in self.pre.split(plain) {
-                self.bpe.encode_piece(piece.as_bytes(), &mut out);
-            }
-            match special {
-                Some((len, id)) => {
+        let mut prev_special = true;
+        for f in self.specials.partition(text, parse_special) {
+            match f {
+                Fragment::Token(id) => {
                     out.push(id);
-                    rest = &rest[plain.len() + len..];
+                    prev_special = true;
                 }
-                None => break,
+                Fragment::Text(t) if protected => {
+                    self.encode_plain(&unprotect(t), prev_special, &mut out);
+                    prev_special = false;
+                }
+                Fragment::Text(t) => {
+                    self.encode_plain(t, prev_special, &mut out);
+                    prev_special = false;
+                }
             }
+        }
+        if add_special && self.add_eos {
+            out.extend(self.eos_id);
         }
         out
     }
 
-    /// Earliest special-token occurrence (longest at that position): (byte pos, len, id).
-    fn find_special(&self, text: &str) -> Option<(usize, usize, u32)> {
-        self.special_texts
-            .iter()
-            .filter_map(|(t, id)| text.find(t.as_str()).map(|p| (p, t.len(), *id)))
-            .min_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)))
+    /// Text between special tokens; `after_special`: at the start or after a token (where
+    /// SentencePiece adds its space prefix).
+    fn encode_plain(&self, text: &str, after_special: bool, out: &mut Vec<u32>) {
+        match &self.model {
+            Model::Bpe { pre, bpe } => {
+                for piece in pre.split(text) {
+                    bpe.encode_piece(piece.as_bytes(), pre.ignore_merges, out);
+                }
+            }
+            Model::Spm {
+                spm,
+                add_space_prefix,
+            } => {
+                if text.is_empty() {
+                    return;
+                }
+                let mut s = String::with_capacity(text.len() + 3);
+                if *add_space_prefix && after_special {
+                    s.push(spm::SPACE);
+                }
+                s.extend(text.chars().map(|c| if c == ' ' { spm::SPACE } else { c }));
+                spm.encode(&s, out);
+            }
+        }
+    }
+
+    /// Chat message content made safe to render into a template whose output is
+    /// tokenized with special parsing: its control-token texts stay text.
+    pub fn protect(&self, content: &str) -> String {
+        self.specials.protect(content)
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> String {
@@ -261,6 +377,57 @@ impl Tokenizer {
         }
         String::from_utf8_lossy(&bytes).into_owned()
     }
+}
+
+/// The byte of a SentencePiece `<0xXX>` token.
+fn byte_of(t: &str) -> Option<u8> {
+    let hex = t.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok())?
+}
+
+/// The BPE merge table and byte tokens of a byte-level vocabulary.
+fn bpe_tables(spec: &TokenizerSpec) -> Result<Bpe> {
+    let bytes = ByteMap::new();
+    let ids: HashMap<&str, u32> = spec
+        .tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i as u32))
+        .collect();
+    let mut byte_ids = [None; 256];
+    for b in 0..=255u8 {
+        byte_ids[b as usize] = ids.get(bytes.char_of(b).to_string().as_str()).copied();
+    }
+    let missing = byte_ids.iter().filter(|b| b.is_none()).count();
+    if missing > 128 {
+        return Err(Error::Tokenizer(format!(
+            "vocabulary lacks {missing} of 256 byte tokens: not a byte-level BPE vocabulary"
+        )));
+    }
+    let mut merges = HashMap::with_capacity(spec.merges.len());
+    for (rank, m) in spec.merges.iter().enumerate() {
+        let (l, r) = m
+            .split_once(' ')
+            .ok_or_else(|| Error::Tokenizer(format!("merge {rank} '{m}' is not 'left right'")))?;
+        let lookup = |s: &str| {
+            ids.get(s).copied().ok_or_else(|| {
+                Error::Tokenizer(format!(
+                    "merge {rank} '{m}' names '{s}', not in the vocabulary"
+                ))
+            })
+        };
+        let merged = format!("{l}{r}");
+        let key = (lookup(l)?, lookup(r)?);
+        // A duplicate pair keeps its first (lowest) rank.
+        merges.entry(key).or_insert((rank as u32, lookup(&merged)?));
+    }
+    let whole = spec
+        .tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    Ok(Bpe::new(merges, byte_ids, whole))
 }
 
 impl TokenText for Tokenizer {

@@ -437,3 +437,70 @@ fn synthetic_models_of_every_type_match_numpy_reference() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Every architecture the engine serves, as a tiny random model with the tensors its
+/// files carry (Qwen2's biases, Qwen3's Q/K norms and wide heads, Gemma 3's embedding
+/// scale, Q/K and sandwich norms, GeGLU, sliding windows with their own RoPE base, Llama
+/// 3.1's `rope_freqs` and linear RoPE scaling), against the numpy reference, which reads
+/// the same file and implements each piece from its definition. Prompts plus generation
+/// run past Gemma's 8-position window, so windowed layers attend to fewer positions than
+/// global ones. Exact activations: the bounds are float noise. Then the production path
+/// (Q8 activations in both) with the bounds of its rounding noise.
+#[test]
+fn synthetic_models_of_every_architecture_match_numpy_reference() {
+    use tandem_dataplane::model::synthetic::TinyArch;
+    let dir = std::env::temp_dir().join(format!("tandem-arch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let archs = [
+        TinyArch::Llama {
+            rope_freqs: true,
+            linear_scaling: Some(4.0),
+        },
+        TinyArch::Qwen2,
+        TinyArch::Qwen3,
+        TinyArch::Gemma3 { window: 8 },
+    ];
+    let prompts = vec![
+        vec![3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43],
+        vec![35],
+        vec![89, 79, 32, 38, 46, 26, 43, 1, 2],
+    ];
+    for arch in archs {
+        for (wt, kv) in [
+            (GgmlType::F16, GgmlType::F32),
+            (GgmlType::Q8_0, GgmlType::F16),
+        ] {
+            let m = TinyLlama {
+                weight_type: wt,
+                untied_output: arch == TinyArch::Qwen2,
+                ..TinyLlama::of(arch)
+            };
+            let path = dir.join(format!("tiny-{}-{wt}.gguf", arch.name()));
+            m.to_writer().write(&path).unwrap();
+            let what = format!("tiny {} {wt}/kv {kv}", arch.name());
+            let mut r = runner(&path, kv, Arc::new(CpuKernels::new().exact_activations()));
+            let tol = Tol {
+                max_abs: 1e-2,
+                rms: 1e-3,
+                tie_margin: 1e-2,
+            };
+            compare(&what, &mut r, &path, &prompts, 12, "f32", tol);
+            let mut r = runner(&path, kv, tandem_kernels::best_backend());
+            let tol = Tol {
+                max_abs: 0.5,
+                rms: 0.05,
+                tie_margin: 0.2,
+            };
+            compare(
+                &format!("{what}, Q8 activations"),
+                &mut r,
+                &path,
+                &prompts,
+                12,
+                "q8",
+                tol,
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,6 +1,9 @@
-//! Kernel microbenchmark on SmolLM2-135M's shapes with synthetic weights.
+//! Kernel microbenchmark on a model's shapes with synthetic weights (SmolLM2-135M by
+//! default; `--model qwen0.5b` / `qwen1.5b`: Qwen2.5-Coder 0.5B / 1.5B Q4_K_M, their
+//! tensor types and shapes as the GGUF files store them).
 //!
 //! cargo run --release -p tandem-kernels --example bench_kernels -- [--threads N]
+//!     [--model smollm2|qwen0.5b|qwen1.5b] [--simd best|avx2|avx512|portable]
 //!
 //! Each figure is the minimum wall time over repetitions (default 20, `REPS=n`): with one
 //! thread that filters out most preemption on a shared machine.
@@ -9,7 +12,7 @@ use std::time::Instant;
 
 use tandem_kernels::{
     AttnQuery, AttnShape, CpuKernels, CpuOptions, GgmlType, Kernels, KvView, Layout, Matrix,
-    quantize_row,
+    SimdTier, quantize_row,
 };
 
 /// Minimum wall time over `reps` runs of `f`, in ms.
@@ -51,17 +54,59 @@ fn main() {
     // `--threads N`: the kernel pool's size (default: one thread per core).
     let mut args = std::env::args().skip(1);
     let mut threads = None;
+    let mut model = "smollm2".to_string();
+    let mut tier = "best".to_string();
     while let Some(a) = args.next() {
         match a.as_str() {
             "--threads" => threads = args.next().and_then(|n| n.parse().ok()),
-            other => panic!("unknown argument {other:?} (usage: [--threads N])"),
+            "--model" => model = args.next().expect("--model NAME"),
+            "--simd" => tier = args.next().expect("--simd TIER"),
+            other => panic!(
+                "unknown argument {other:?} (usage: [--threads N] [--model NAME] [--simd TIER])"
+            ),
         }
     }
     let k = CpuKernels::with_options(CpuOptions {
         threads,
-        simd: true,
+        simd: tier != "portable",
     });
+    let k = match tier.as_str() {
+        "best" | "portable" => k,
+        t => {
+            let tier = SimdTier::ALL
+                .into_iter()
+                .find(|x| x.name() == t)
+                .unwrap_or_else(|| panic!("unknown tier {t}"));
+            k.with_tier(tier)
+                .unwrap_or_else(|| panic!("this CPU has no {t}"))
+        }
+    };
     println!("{k:?}");
+    // KERNEL=Q4_K:512x1536:32[,...]: only those products (type:rows x cols:tokens, Rows8),
+    // many short repetitions, the minimum: on a loaded machine a run short enough to fit
+    // one time slice often goes unpreempted.
+    if let Ok(spec) = std::env::var("KERNEL") {
+        let reps = std::env::var("REPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(200);
+        let mut rng = Rng(1);
+        for one in spec.split(',') {
+            kernel_only(&k, one, &mut rng, reps);
+        }
+        return;
+    }
+    if model != "smollm2" {
+        let shape = ModelShape::named(&model);
+        let reps = std::env::var("REPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(20);
+        let mut rng = Rng(1);
+        layer_matmuls(&k, &shape, &mut rng, reps);
+        shape_model_matmuls(&k, &shape, &mut rng, reps.div_ceil(4));
+        return;
+    }
     let mut rng = Rng(1);
     let reps = std::env::var("REPS")
         .ok()
@@ -134,6 +179,7 @@ fn main() {
         n_heads: 9,
         n_kv_heads: 3,
         head_dim: 64,
+        window: None,
     };
     let levels: Vec<usize> = std::env::var("ATTN_C")
         .ok()
@@ -316,4 +362,239 @@ fn model_matmuls(k: &CpuKernels, rng: &mut Rng, reps: usize) {
             bg / bp
         );
     }
+}
+
+/// A model's matrix products per decode step: `layers` layers of calls (matrices sharing
+/// one input: (type, rows) each, and the input's length), the type alternating by layer
+/// parity where the GGUF mixes two (Q4_K_M's attn_v / ffn_down), and the output matrix.
+/// A matrix as (type, rows) in even and in odd layers.
+type Variants = [(GgmlType, usize); 2];
+
+struct ModelShape {
+    name: &'static str,
+    layers: usize,
+    calls: Vec<(Vec<Variants>, usize)>,
+    output: (GgmlType, usize, usize),
+}
+
+impl ModelShape {
+    fn named(name: &str) -> Self {
+        use GgmlType::*;
+        let both = |t: GgmlType, r: usize| [(t, r), (t, r)];
+        match name {
+            // Qwen2.5-Coder-0.5B-Instruct Q4_K_M: d 896 (not a multiple of 256, so Q5_0
+            // where a K-quant would be), 24 layers, GQA 14/2 × 64, FFN 4864.
+            "qwen0.5b" => Self {
+                name: "Qwen2.5-0.5B Q4_K_M",
+                layers: 24,
+                calls: vec![
+                    (
+                        vec![both(Q5_0, 896), both(Q5_0, 128), [(Q5_0, 128), (Q8_0, 128)]],
+                        896,
+                    ),
+                    (vec![both(Q5_0, 896)], 896),
+                    (vec![both(Q5_0, 4864), both(Q5_0, 4864)], 896),
+                    (vec![[(Q4_K, 896), (Q6_K, 896)]], 4864),
+                ],
+                output: (Q8_0, 151_936, 896),
+            },
+            // Qwen2.5-Coder-1.5B-Instruct Q4_K_M: d 1536, 28 layers, GQA 12/2 × 128, FFN 8960.
+            "qwen1.5b" => Self {
+                name: "Qwen2.5-1.5B Q4_K_M",
+                layers: 28,
+                calls: vec![
+                    (
+                        vec![
+                            both(Q4_K, 1536),
+                            both(Q4_K, 256),
+                            [(Q4_K, 256), (Q6_K, 256)],
+                        ],
+                        1536,
+                    ),
+                    (vec![both(Q4_K, 1536)], 1536),
+                    (vec![both(Q4_K, 8960), both(Q4_K, 8960)], 1536),
+                    (vec![[(Q4_K, 1536), (Q6_K, 1536)]], 8960),
+                ],
+                output: (Q6_K, 151_936, 1536),
+            },
+            other => panic!("unknown model {other} (smollm2, qwen0.5b, qwen1.5b)"),
+        }
+    }
+}
+
+/// `rows` rows of random blocks of `ty` with finite f16 scales of order 1e-2 (the
+/// kernels' speed does not depend on the values; encoding a billion floats would).
+fn random_blocks(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let mut bytes: Vec<u8> = (0..ty.row_bytes(cols).unwrap() * rows)
+        .map(|_| (rng.f() * 128.0 + 128.0) as u8)
+        .collect();
+    let scales: &[usize] = match ty {
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        _ => &[0],
+    };
+    for blk in bytes.chunks_exact_mut(ty.block_bytes()) {
+        for &o in scales {
+            let v = half::f16::from_f32(rng.f() * 0.02);
+            blk[o..o + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+        }
+    }
+    bytes
+}
+
+/// Each call of one layer (both variants where the type alternates), hot in cache, at
+/// T = 1 and 32, in the 8-row interleave the CPU backend multiplies.
+fn layer_matmuls(k: &CpuKernels, shape: &ModelShape, rng: &mut Rng, reps: usize) {
+    println!("{}: one layer's matmuls, weights hot", shape.name);
+    // AS_TYPE=Q4_0 multiplies every 32-element-block matrix as that type instead (A/B of
+    // formats on the same shapes).
+    let as_type = std::env::var("AS_TYPE").ok().map(|n| {
+        *GgmlType::ALL
+            .iter()
+            .find(|t| t.name() == n)
+            .unwrap_or_else(|| panic!("unknown type {n}"))
+    });
+    for n_tok in [1usize, 32] {
+        let mut total = 0.0;
+        for (mats, cols) in &shape.calls {
+            for v in 0..2 {
+                if v == 1 && mats.iter().all(|m| m[0] == m[1]) {
+                    continue;
+                }
+                let packed: Vec<(GgmlType, usize, Vec<u8>)> = mats
+                    .iter()
+                    .map(|m| {
+                        let (ty, rows) = m[v];
+                        let ty = match as_type {
+                            Some(t) if ty.block_len() == t.block_len() => t,
+                            _ => ty,
+                        };
+                        let g = random_blocks(rng, ty, rows, *cols);
+                        let p = Matrix::new(ty, rows, *cols, &g)
+                            .unwrap()
+                            .to_rows8()
+                            .unwrap();
+                        (ty, rows, p)
+                    })
+                    .collect();
+                let ms: Vec<Matrix> = packed
+                    .iter()
+                    .map(|(t, r, p)| Matrix::with_layout(*t, *r, *cols, p, Layout::Rows8).unwrap())
+                    .collect();
+                let x = rng.vec(n_tok * cols);
+                let mut outs: Vec<Vec<f32>> =
+                    ms.iter().map(|m| vec![0f32; m.rows * n_tok]).collect();
+                let ms_ = time(reps, || {
+                    let mut o: Vec<&mut [f32]> = outs.iter_mut().map(|v| &mut v[..]).collect();
+                    k.matmul(&ms, &x, n_tok, &mut o).unwrap();
+                });
+                let macs = ms.iter().map(|m| m.rows).sum::<usize>() * cols * n_tok;
+                let what: Vec<String> = ms.iter().map(|m| format!("{}x{}", m.ty, m.rows)).collect();
+                println!(
+                    "  T={n_tok:2} {:32} cols {cols:5}: {ms_:8.3} ms {:7.1} G MAC/s",
+                    what.join(" "),
+                    macs as f64 / ms_ / 1e6
+                );
+                if v == 0 || mats.iter().any(|m| m[0] != m[1]) {
+                    total += if mats.iter().any(|m| m[0] != m[1]) {
+                        ms_ / 2.0
+                    } else {
+                        ms_
+                    };
+                }
+            }
+        }
+        println!(
+            "  T={n_tok:2} layer (mixed types averaged): {total:.3} ms (x{} = {:.1} ms)",
+            shape.layers,
+            total * shape.layers as f64
+        );
+    }
+}
+
+/// The whole model's matrices as one decode step multiplies them (distinct layers, so
+/// from DRAM as in serving; the 8-row interleave) and the output matrix, at several T.
+fn shape_model_matmuls(k: &CpuKernels, shape: &ModelShape, rng: &mut Rng, reps: usize) {
+    let mut mats: Vec<(GgmlType, usize, usize, Vec<u8>)> = Vec::new();
+    let mut calls = Vec::new();
+    for l in 0..shape.layers {
+        for (ms, cols) in &shape.calls {
+            for m in ms {
+                let (ty, rows) = m[l % 2];
+                let g = random_blocks(rng, ty, rows, *cols);
+                let p = Matrix::new(ty, rows, *cols, &g)
+                    .unwrap()
+                    .to_rows8()
+                    .unwrap();
+                mats.push((ty, rows, *cols, p));
+            }
+            calls.push(ms.len());
+        }
+    }
+    let (oty, orows, ocols) = shape.output;
+    let g = random_blocks(rng, oty, orows, ocols);
+    mats.push((
+        oty,
+        orows,
+        ocols,
+        Matrix::new(oty, orows, ocols, &g)
+            .unwrap()
+            .to_rows8()
+            .unwrap(),
+    ));
+    calls.push(1);
+    let bytes: usize = mats.iter().map(|m| m.3.len()).sum();
+    let ms: Vec<Matrix> = mats
+        .iter()
+        .map(|(t, r, c, p)| Matrix::with_layout(*t, *r, *c, p, Layout::Rows8).unwrap())
+        .collect();
+    let max_cols = ms.iter().map(|m| m.cols).max().unwrap();
+    for n_tok in [1usize, 2, 4, 8, 32] {
+        let x = rng.vec(n_tok * max_cols);
+        let mut outs: Vec<Vec<f32>> = ms.iter().map(|m| vec![0f32; n_tok * m.rows]).collect();
+        let mut best = f64::MAX;
+        for _ in 0..reps {
+            let t = Instant::now();
+            let mut i = 0;
+            for &n in &calls {
+                let cols = ms[i].cols;
+                let mut o: Vec<&mut [f32]> =
+                    outs[i..i + n].iter_mut().map(|v| &mut v[..]).collect();
+                k.matmul(&ms[i..i + n], &x[..n_tok * cols], n_tok, &mut o)
+                    .unwrap();
+                i += n;
+            }
+            best = best.min(t.elapsed().as_secs_f64() * 1e3);
+        }
+        println!(
+            "{} model matmuls ({} MB, from DRAM) T={n_tok:2}: {best:7.2} ms ({:.1} GB/s, {:.0} tok/s)",
+            shape.name,
+            bytes / 1_000_000,
+            bytes as f64 / best / 1e6,
+            n_tok as f64 * 1e3 / best
+        );
+    }
+}
+
+/// One product `TYPE:ROWSxCOLS:T` (8-row interleave), minimum over `reps`.
+fn kernel_only(k: &CpuKernels, spec: &str, rng: &mut Rng, reps: usize) {
+    let parts: Vec<&str> = spec.split(':').collect();
+    let ty = *GgmlType::ALL
+        .iter()
+        .find(|t| t.name() == parts[0])
+        .unwrap_or_else(|| panic!("unknown type in {spec}"));
+    let (rows, cols) = parts[1].split_once('x').expect("ROWSxCOLS");
+    let (rows, cols): (usize, usize) = (rows.parse().unwrap(), cols.parse().unwrap());
+    let n_tok: usize = parts[2].parse().unwrap();
+    let g = random_blocks(rng, ty, rows, cols);
+    let p = Matrix::new(ty, rows, cols, &g).unwrap().to_rows8().unwrap();
+    let m = Matrix::with_layout(ty, rows, cols, &p, Layout::Rows8).unwrap();
+    let x = rng.vec(n_tok * cols);
+    let mut out = vec![0f32; rows * n_tok];
+    let ms = time(reps, || k.matmul(&[m], &x, n_tok, &mut [&mut out]).unwrap());
+    println!(
+        "{spec:24} {ms:8.4} ms {:7.1} G MAC/s {:6.2} GB/s of weights",
+        (rows * cols * n_tok) as f64 / ms / 1e6,
+        p.len() as f64 / ms / 1e6
+    );
 }

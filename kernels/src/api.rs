@@ -147,9 +147,21 @@ pub struct AttnShape {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Sliding-window attention: a query at position `p` attends to the `w` positions
+    /// `p + 1 - w ..= p` only (llama.cpp's standard SWA mask: key `k` is masked when
+    /// `p - k >= w`). `None`: every earlier position.
+    pub window: Option<usize>,
 }
 
 impl AttnShape {
+    /// The first position a query attending to `0..n_ctx` reads under this shape's window.
+    pub fn first_pos(&self, n_ctx: usize) -> usize {
+        match self.window {
+            Some(w) => n_ctx.saturating_sub(w),
+            None => 0,
+        }
+    }
+
     pub fn q_dim(&self) -> usize {
         self.n_heads * self.head_dim
     }
@@ -204,6 +216,9 @@ pub(crate) fn check_attention(
     let op = "attention";
     if s.n_kv_heads == 0 || !s.n_heads.is_multiple_of(s.n_kv_heads) || s.head_dim == 0 {
         return Err(shape(op, format!("bad head counts {s:?}")));
+    }
+    if s.window == Some(0) {
+        return Err(shape(op, "a sliding window of 0 positions"));
     }
     if q.len() != queries.len() * s.q_dim() || out.len() != q.len() {
         return Err(shape(
@@ -275,9 +290,11 @@ pub(crate) fn check_matmul(
 pub trait Kernels: Send + Sync {
     fn name(&self) -> &'static str;
 
-    /// The pool this backend spreads its work over, for callers that parallelize work
-    /// around the kernels (KV stores, sampling) on the same threads; `None`: it has none.
-    fn thread_pool(&self) -> Option<&'static crate::cpu::ThreadPool> {
+    /// How many threads (the calling one included) this implementation spreads its work
+    /// over, so that a host backend runs the work around the kernels (KV stores,
+    /// sampling) on as many; `None`: no preference (one per core). A count, not a pool:
+    /// this trait is backend-neutral and names no backend's types.
+    fn parallelism(&self) -> Option<usize> {
         None
     }
 
@@ -304,6 +321,10 @@ pub trait Kernels: Send + Sync {
     /// Row-wise RMS norm: `out = x / sqrt(mean(x²) + eps) · w` for each row of `w.len()`.
     fn rmsnorm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<()>;
 
+    /// [`Kernels::rmsnorm`] in place (per-head norms of Q and K): the same bits as
+    /// `rmsnorm` into another buffer.
+    fn rmsnorm_in_place(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<()>;
+
     /// Rotate the first `table.rot_dim()` dims of every head of each token in place;
     /// `x` holds `positions.len()` tokens × `n_heads` heads × `head_dim`.
     fn rope(
@@ -318,11 +339,16 @@ pub trait Kernels: Send + Sync {
     /// `gate = silu(gate) · up` (SwiGLU).
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()>;
 
+    /// `gate = gelu(gate) · up` (GeGLU) with GELU's tanh approximation,
+    /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+    fn gelu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()>;
+
     /// In-place softmax over the whole slice.
     fn softmax(&self, x: &mut [f32]);
 
     /// Causal attention of each query token over its sequence's paged K/V, with scale
-    /// `1/sqrt(head_dim)`. `q` and `out` hold `queries.len()` rows of `shape.q_dim()`.
+    /// `1/sqrt(head_dim)`, over the positions `shape.first_pos(n_ctx)..n_ctx` (all of
+    /// them without a window). `q` and `out` hold `queries.len()` rows of `shape.q_dim()`.
     fn attention(
         &self,
         shape: &AttnShape,

@@ -400,7 +400,7 @@ pub trait Backend {
     ) -> Result<()>;
 
     /// Causal attention of every query token of the step over `layer` of `kv`
-    /// (scale `1/sqrt(head_dim)`, GQA as in [`AttnShape`]).
+    /// (scale `1/sqrt(head_dim)`, GQA and the sliding window as in [`AttnShape`]).
     fn attention(
         &self,
         shape: &AttnShape,
@@ -411,8 +411,27 @@ pub trait Backend {
         out: &mut Self::Buf,
     ) -> Result<()>;
 
+    /// RMS norm in place of `rows` rows of `w`'s length (the per-head norms of Q and K:
+    /// rows are heads), the same bits as [`Backend::rmsnorm`] into another buffer.
+    fn rmsnorm_in_place(
+        &self,
+        x: &mut Self::Buf,
+        w: &Self::Buf,
+        eps: f32,
+        rows: usize,
+    ) -> Result<()>;
+
+    /// `x[r] += bias` for the first `rows` rows of `bias`'s length (projection biases).
+    fn add_bias(&self, x: &mut Self::Buf, bias: &Self::Buf, rows: usize) -> Result<()>;
+
+    /// `x[..n] *= s` (Gemma's embedding scale).
+    fn scale(&self, x: &mut Self::Buf, s: f32, n: usize) -> Result<()>;
+
     /// `gate[..n] = silu(gate) · up` (SwiGLU).
     fn silu_mul(&self, gate: &mut Self::Buf, up: &Self::Buf, n: usize) -> Result<()>;
+
+    /// `gate[..n] = gelu_tanh(gate) · up` (GeGLU, [`crate::Kernels::gelu_mul`]).
+    fn gelu_mul(&self, gate: &mut Self::Buf, up: &Self::Buf, n: usize) -> Result<()>;
 
     /// `x[..n] += y`.
     fn add(&self, x: &mut Self::Buf, y: &Self::Buf, n: usize) -> Result<()>;

@@ -32,12 +32,15 @@ mod types;
 
 pub use api::{AttnQuery, AttnShape, Kernels, KvView, Layout, Matrix};
 pub use backend::{Backend, HostMatrix, PagedKvSpec, SharedBytes, StepDesc, StepSeq};
-pub use cpu::{CpuBackend, CpuKernels, CpuOptions, HostKv};
+pub use cpu::{CpuBackend, CpuKernels, CpuOptions, HostKv, SimdTier};
 pub use error::{Error, Result};
-pub use quant::{BlockQ8, dequantize_row, quantize_act_row, quantize_row};
+pub use quant::{
+    ActRow, BlockQ8, BlockQ8K, dequantize_row, quantize_act_row, quantize_act_row_k, quantize_row,
+    vec_dot,
+};
 pub use reference::ScalarKernels;
 pub use rope::{RopeStyle, RopeTable};
-pub use types::{GgmlType, QK};
+pub use types::{ActFormat, GgmlType, QK, QK_K};
 
 use std::sync::Arc;
 

@@ -5,25 +5,47 @@ use crate::api::{
     AttnQuery, AttnShape, Kernels, KvView, Matrix, check_attention, check_matmul, kv_head_offset,
 };
 use crate::error::{Result, shape};
-use crate::quant::{BlockQ8, dequantize_row, quantize_act_row, vec_dot_q8};
+use crate::quant::{
+    ActRow, BlockQ8, BlockQ8K, dequantize_row, quantize_act_row, quantize_act_row_k, vec_dot,
+};
 use crate::rope::RopeTable;
-use crate::types::QK;
+use crate::types::{ActFormat, QK, QK_K};
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ScalarKernels;
 
-/// Quantize `n_tok` rows of `cols` activations into Q8 blocks, row after row.
-pub(crate) fn quantize_acts(x: &[f32], n_tok: usize, cols: usize) -> Result<Vec<BlockQ8>> {
-    let nb = cols / QK;
-    let mut act = vec![BlockQ8::default(); n_tok * nb];
+/// Quantize `n_tok` rows of `cols` activations into blocks of `block` with `quant`, row
+/// after row.
+fn quantize_rows<B: Default + Clone>(
+    x: &[f32],
+    n_tok: usize,
+    cols: usize,
+    block: usize,
+    quant: impl Fn(&[f32], &mut [B]) -> Result<()>,
+) -> Result<Vec<B>> {
+    let nb = cols / block;
+    let mut act = vec![B::default(); n_tok * nb];
     for t in 0..n_tok {
-        quantize_act_row(&x[t * cols..(t + 1) * cols], &mut act[t * nb..(t + 1) * nb])?;
+        quant(&x[t * cols..(t + 1) * cols], &mut act[t * nb..(t + 1) * nb])?;
     }
     Ok(act)
 }
 
 pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// GELU with the tanh approximation (HF's `gelu_pytorch_tanh`, ggml's `gelu`).
+pub(crate) fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh())
+}
+
+pub(crate) fn check_glu(op: &'static str, gate: &[f32], up: &[f32]) -> Result<()> {
+    if gate.len() != up.len() {
+        return Err(shape(op, format!("{} vs {}", gate.len(), up.len())));
+    }
+    Ok(())
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -43,12 +65,17 @@ impl Kernels for ScalarKernels {
         outs: &mut [&mut [f32]],
     ) -> Result<()> {
         let cols = check_matmul(ws, x, n_tok, outs)?;
-        let act = if ws.iter().any(|w| w.ty.is_quantized()) {
-            quantize_acts(x, n_tok, cols)?
+        let wants = |f| ws.iter().any(|w| w.ty.act_format() == Some(f));
+        let q8: Vec<BlockQ8> = if wants(ActFormat::Q8) {
+            quantize_rows(x, n_tok, cols, QK, quantize_act_row)?
         } else {
             Vec::new()
         };
-        let nb = cols / QK;
+        let q8k: Vec<BlockQ8K> = if wants(ActFormat::Q8K) {
+            quantize_rows(x, n_tok, cols, QK_K, quantize_act_row_k)?
+        } else {
+            Vec::new()
+        };
         let mut row_f32 = vec![0f32; cols];
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             for r in 0..w.rows {
@@ -57,10 +84,20 @@ impl Kernels for ScalarKernels {
                     dequantize_row(w.ty, &row, &mut row_f32)?;
                 }
                 for t in 0..n_tok {
-                    out[t * w.rows + r] = if w.ty.is_quantized() {
-                        vec_dot_q8(w.ty, &row, &act[t * nb..(t + 1) * nb])
-                    } else {
-                        dot(&row_f32, &x[t * cols..(t + 1) * cols])
+                    let act = match w.ty.act_format() {
+                        Some(ActFormat::Q8) => {
+                            let nb = cols / QK;
+                            Some(ActRow::Q8(&q8[t * nb..(t + 1) * nb]))
+                        }
+                        Some(ActFormat::Q8K) => {
+                            let nb = cols / QK_K;
+                            Some(ActRow::Q8K(&q8k[t * nb..(t + 1) * nb]))
+                        }
+                        None => None,
+                    };
+                    out[t * w.rows + r] = match act {
+                        Some(a) => vec_dot(w.ty, &row, a),
+                        None => dot(&row_f32, &x[t * cols..(t + 1) * cols]),
                     };
                 }
             }
@@ -73,6 +110,15 @@ impl Kernels for ScalarKernels {
         for (xs, os) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
             let ss: f32 = xs.iter().map(|v| v * v).sum();
             rmsnorm_apply(xs, w, ss, eps, os);
+        }
+        Ok(())
+    }
+
+    fn rmsnorm_in_place(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<()> {
+        check_rmsnorm_in_place(x, w)?;
+        for xs in x.chunks_exact_mut(w.len()) {
+            let ss: f32 = xs.iter().map(|v| v * v).sum();
+            rmsnorm_apply_in_place(xs, w, ss, eps);
         }
         Ok(())
     }
@@ -95,11 +141,17 @@ impl Kernels for ScalarKernels {
     }
 
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
-        if gate.len() != up.len() {
-            return Err(shape("silu_mul", format!("{} vs {}", gate.len(), up.len())));
-        }
+        check_glu("silu_mul", gate, up)?;
         for (g, u) in gate.iter_mut().zip(up) {
             *g = silu(*g) * u;
+        }
+        Ok(())
+    }
+
+    fn gelu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
+        check_glu("gelu_mul", gate, up)?;
+        for (g, u) in gate.iter_mut().zip(up) {
+            *g = gelu_tanh(*g) * u;
         }
         Ok(())
     }
@@ -132,11 +184,12 @@ impl Kernels for ScalarKernels {
         let mut kh = vec![0f32; hd];
         let mut vh = vec![0f32; hd];
         for (qi, qu) in queries.iter().enumerate() {
-            let mut scores = vec![0f32; qu.n_ctx];
+            let lo = s.first_pos(qu.n_ctx);
+            let mut scores = vec![0f32; qu.n_ctx - lo];
             for h in 0..s.n_heads {
                 let g = h / s.group();
                 let qh = &q[(qi * s.n_heads + h) * hd..][..hd];
-                for (t, sc) in scores.iter_mut().enumerate() {
+                for (t, sc) in (lo..).zip(scores.iter_mut()) {
                     let off = kv_head_offset(qu.block_table, k.block_tokens, k_row, k_head, t, g);
                     dequantize_row(k.ty, &k.data[off..off + k_head], &mut kh)?;
                     *sc = dot(qh, &kh) * scale;
@@ -144,7 +197,7 @@ impl Kernels for ScalarKernels {
                 self.softmax(&mut scores);
                 let oh = &mut out[(qi * s.n_heads + h) * hd..][..hd];
                 oh.fill(0.0);
-                for (t, p) in scores.iter().enumerate() {
+                for (t, p) in (lo..).zip(scores.iter()) {
                     let off = kv_head_offset(qu.block_table, v.block_tokens, v_row, v_head, t, g);
                     dequantize_row(v.ty, &v.data[off..off + v_head], &mut vh)?;
                     for (o, x) in oh.iter_mut().zip(&vh) {
@@ -164,6 +217,25 @@ pub(crate) fn rmsnorm_apply(xs: &[f32], w: &[f32], ss: f32, eps: f32, out: &mut 
     for ((o, v), g) in out.iter_mut().zip(xs).zip(w) {
         *o = v * scale * g;
     }
+}
+
+/// [`rmsnorm_apply`] with the output over the input (the same expression, so the same
+/// bits).
+pub(crate) fn rmsnorm_apply_in_place(xs: &mut [f32], w: &[f32], ss: f32, eps: f32) {
+    let scale = 1.0 / (ss / w.len() as f32 + eps).sqrt();
+    for (v, g) in xs.iter_mut().zip(w) {
+        *v = *v * scale * g;
+    }
+}
+
+pub(crate) fn check_rmsnorm_in_place(x: &[f32], w: &[f32]) -> Result<()> {
+    if w.is_empty() || !x.len().is_multiple_of(w.len()) {
+        return Err(shape(
+            "rmsnorm_in_place",
+            format!("x {} / weight {}", x.len(), w.len()),
+        ));
+    }
+    Ok(())
 }
 
 pub(crate) fn check_rmsnorm(x: &[f32], w: &[f32], out: &[f32]) -> Result<()> {

@@ -44,6 +44,7 @@ const SHAPE: AttnShape = AttnShape {
     n_heads: 4,
     n_kv_heads: 2,
     head_dim: 32,
+    window: None,
 };
 const DIM: usize = 128;
 const FFN: usize = 192;

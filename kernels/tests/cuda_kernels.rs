@@ -4,8 +4,9 @@
 //!
 //! Tolerances (max |gpu − ref| over the output):
 //! - matmul: 1e-3 · max(1, max|ref|) — the per-block integer dot products are exact on
-//!   both sides (same Q8 activation quantization, bit for bit); only the order of the f32
-//!   sums over blocks differs.
+//!   both sides (same Q8 / Q8K activation quantization, bit for bit); only the order of
+//!   the f32 sums over blocks differs (and the K-quants apply their scales per sub-block
+//!   in f32 where the reference combines them in i32 first).
 //! - rmsnorm, rope, silu_mul: 1e-5 relative; attention: 2e-4 absolute (values are O(1)).
 //! - embed, argmax, top-k, KV store / gather / scatter: exact.
 #![cfg(feature = "gpu-tests")]
@@ -63,16 +64,11 @@ fn encode(ty: GgmlType, x: &[f32], cols: usize) -> Vec<u8> {
 fn matmul_matches_reference_for_every_type_and_batch_size() {
     let g = gpu();
     let mut r = Rng(1);
-    for ty in [
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q8_0,
-        GgmlType::F16,
-        GgmlType::F32,
-    ] {
-        // 576 × 1536-ish shapes, odd row counts for partial tiles, and both kernel paths
-        // (warp-per-row up to 16 tokens, tiled beyond).
-        for (rows, cols) in [(67, 576), (130, 1536), (64, 32)] {
+    for ty in GgmlType::ALL {
+        // 576 × 1536-ish shapes (whole K-quant super-blocks for those), odd row counts for
+        // partial tiles, and both kernel paths (warp-per-row up to 16 tokens, tiled beyond).
+        for (rows, cols) in [(67, 576usize), (130, 1536), (64, 32)] {
+            let cols = cols.next_multiple_of(ty.block_len());
             let w = encode(ty, &r.vec(rows * cols, 1.0), cols);
             let m = Matrix::new(ty, rows, cols, &w).unwrap();
             for n_tok in [1, 3, 8, 16, 17, 64, 100] {
@@ -149,6 +145,7 @@ fn paged_attention_matches_reference_for_decode_and_prefill() {
             n_heads,
             n_kv_heads: n_kv,
             head_dim: hd,
+            window: None,
         };
         let (bt, n_blocks) = (16, 64);
         let rb = ty.row_bytes(s.kv_dim()).unwrap();
@@ -202,14 +199,8 @@ fn embedding_sampling_and_kv_transfer_kernels_are_exact() {
     let d = g.device();
     let mut r = Rng(4);
     // Embedding rows of every type decode exactly like dequantize_row.
-    for ty in [
-        GgmlType::Q8_0,
-        GgmlType::F16,
-        GgmlType::F32,
-        GgmlType::Q4_1,
-        GgmlType::BF16,
-    ] {
-        let (rows, dim) = (50, 96);
+    for ty in GgmlType::ALL {
+        let (rows, dim) = (50, 96usize.next_multiple_of(ty.block_len()));
         let table = encode(ty, &r.vec(rows * dim, 1.0), dim);
         let m = d
             .upload_matrix(&Matrix::new(ty, rows, dim, &table).unwrap())

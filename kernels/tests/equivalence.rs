@@ -1,13 +1,14 @@
 //! Every optimized path must agree with the scalar reference on random inputs.
 //!
-//! Tolerances: quantized products do identical integer work per block and differ only in
-//! the order of f32 accumulation, so outputs must agree to 1e-5 of Σ|w·x| (the scale of
-//! the rounding error of any summation order). Attention and norms: 1e-5 absolute on
-//! values of order 1.
+//! Quantized products are bit-identical to the reference: the integer work per block is
+//! exact and every kernel runs the reference's float steps (`crate::quant::Terms`: one
+//! fma per block per term, in block order) on its lanes. Float weights are multiplied in
+//! another summation order, so they agree to 1e-5 of Σ|w·x| (the scale of the rounding
+//! error of any order). Attention and norms: 1e-5 absolute on values of order 1.
 
 use tandem_kernels::{
     AttnQuery, AttnShape, CpuKernels, GgmlType, Kernels, KvView, Layout, Matrix, RopeStyle,
-    RopeTable, ScalarKernels, dequantize_row, quantize_row,
+    RopeTable, ScalarKernels, SimdTier, dequantize_row, quantize_row,
 };
 
 struct Rng(u64);
@@ -24,17 +25,26 @@ impl Rng {
     }
 }
 
+/// The CPU backend at every tier this machine runs (one line, once, per tier it lacks).
 fn backends() -> Vec<(&'static str, Box<dyn Kernels>)> {
-    let simd = CpuKernels::with_simd(true);
-    if !format!("{simd:?}").contains("simd: true") {
-        eprintln!(
-            "skipped: this CPU has no AVX2, so the SIMD kernels were not compared (only the portable ones)"
-        );
+    static SKIPS: std::sync::Once = std::sync::Once::new();
+    let mut out: Vec<(&'static str, Box<dyn Kernels>)> = Vec::new();
+    for tier in SimdTier::ALL {
+        match CpuKernels::with_simd(true).with_tier(tier) {
+            Some(k) => out.push((k.name(), Box::new(k))),
+            None => SKIPS.call_once(|| {
+                for t in SimdTier::ALL.into_iter().filter(|t| !t.available()) {
+                    eprintln!("skipped: this CPU has no {t}, so the {t} kernels were not compared");
+                }
+            }),
+        }
     }
-    vec![
-        ("cpu-simd", Box::new(simd)),
-        ("cpu-portable", Box::new(CpuKernels::with_simd(false))),
-    ]
+    out
+}
+
+/// `cols` rounded up to whole blocks of `ty` (the K-quants' rows are multiples of 256).
+fn fit(ty: GgmlType, cols: usize) -> usize {
+    cols.next_multiple_of(ty.block_len())
 }
 
 fn encode(ty: GgmlType, rows: usize, cols: usize, w: &[f32]) -> Vec<u8> {
@@ -60,8 +70,10 @@ fn simd_detected_on_this_machine_when_available() {
 #[test]
 fn matmul_matches_reference_for_every_type_and_batch_size() {
     let mut rng = Rng(42);
+    let ks = backends();
     for ty in GgmlType::ALL {
         for &(rows, cols) in &[(37usize, 64usize), (130, 576), (8, 1536)] {
+            let cols = fit(ty, cols);
             let w = rng.vec(rows * cols, 0.5);
             let bytes = encode(ty, rows, cols, &w);
             let m = Matrix::new(ty, rows, cols, &bytes).unwrap();
@@ -75,15 +87,23 @@ fn matmul_matches_reference_for_every_type_and_batch_size() {
                 ScalarKernels
                     .matmul(&[m], &x, n_tok, &mut [&mut want])
                     .unwrap();
-                for (name, k) in backends() {
+                for (name, k) in &ks {
                     let mut got = vec![f32::NAN; n_tok * rows];
                     k.matmul(&[m], &x, n_tok, &mut [&mut got]).unwrap();
                     for t in 0..n_tok {
                         for r in 0..rows {
+                            let (a, b) = (want[t * rows + r], got[t * rows + r]);
+                            if ty.is_quantized() {
+                                assert_eq!(
+                                    a.to_bits(),
+                                    b.to_bits(),
+                                    "{name} {ty} {rows}x{cols} T={n_tok} t={t} r={r}: {a} vs {b}"
+                                );
+                                continue;
+                            }
                             let mag: f32 = (0..cols)
                                 .map(|c| (deq[r * cols + c] * x[t * cols + c]).abs())
                                 .sum();
-                            let (a, b) = (want[t * rows + r], got[t * rows + r]);
                             assert!(
                                 (a - b).abs() <= 1e-5 * mag + 1e-6,
                                 "{name} {ty} {rows}x{cols} T={n_tok} t={t} r={r}: {a} vs {b} (mag {mag})"
@@ -101,15 +121,17 @@ fn matmul_matches_reference_for_every_type_and_batch_size() {
 #[test]
 fn batched_matmul_is_bit_identical_to_single_token() {
     let mut rng = Rng(23);
+    let ks = backends();
     for ty in GgmlType::ALL {
         for &(rows, cols) in &[(37usize, 64usize), (130, 576), (16, 1536)] {
+            let cols = fit(ty, cols);
             let w = rng.vec(rows * cols, 0.5);
             let bytes = encode(ty, rows, cols, &w);
             let m = Matrix::new(ty, rows, cols, &bytes).unwrap();
             // Tiles span 1 or 4 groups of 8 tokens: full, partial last group, remainders.
             for n_tok in [2usize, 3, 7, 8, 9, 16, 17, 23, 29, 32, 35, 40] {
                 let x = rng.vec(n_tok * cols, 2.0);
-                for (name, k) in backends() {
+                for (name, k) in &ks {
                     let mut batch = vec![f32::NAN; n_tok * rows];
                     k.matmul(&[m], &x, n_tok, &mut [&mut batch]).unwrap();
                     for t in 0..n_tok {
@@ -176,6 +198,7 @@ fn rows8_weights_give_the_bits_of_gguf_rows() {
         };
         assert_eq!(simd.weight_layout(ty), want, "{ty}");
         for &(rows, cols) in &[(1usize, 64usize), (13, 64), (40, 576), (37, 1536)] {
+            let cols = fit(ty, cols);
             let bytes = encode(ty, rows, cols, &rng.vec(rows * cols, 0.5));
             let m = Matrix::new(ty, rows, cols, &bytes).unwrap();
             let packed = m.to_rows8().unwrap();
@@ -281,6 +304,7 @@ fn attention_matches_dense_math_and_reference() {
         n_heads: 6,
         n_kv_heads: 2,
         head_dim: 64,
+        window: None,
     };
     let (bt, n) = (16, 45);
     for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0] {
@@ -517,6 +541,7 @@ fn attention_over_several_sequences_matches_reference() {
         n_heads: 9,
         n_kv_heads: 3,
         head_dim: 64,
+        window: None,
     };
     let bt = 16;
     let n_blocks = 12;
@@ -578,8 +603,8 @@ fn attention_over_several_sequences_matches_reference() {
 #[test]
 fn exact_activation_mode_matches_dense_f32_math() {
     let mut rng = Rng(3);
-    let (rows, cols) = (45, 192);
     for ty in GgmlType::ALL {
+        let (rows, cols) = (45, fit(ty, 192));
         let w = rng.vec(rows * cols, 0.5);
         let bytes = encode(ty, rows, cols, &w);
         let m = Matrix::new(ty, rows, cols, &bytes).unwrap();
@@ -624,6 +649,7 @@ fn attention_of_a_query_is_bit_identical_alone_and_in_a_large_batch() {
         n_heads: 9,
         n_kv_heads: 3,
         head_dim: 64,
+        window: None,
     };
     let (bt, positions) = (16, 150);
     for ty in [GgmlType::Q8_0, GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
@@ -668,6 +694,51 @@ fn attention_of_a_query_is_bit_identical_alone_and_in_a_large_batch() {
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{name} {ty}: query {i} differs alone and in a batch of {n_q}"
                 );
+            }
+        }
+    }
+}
+
+/// One call over matrices of every quantized family and a float one (a K-quant model's
+/// Q, K, V and a Q8_0 or F16 neighbour share one input): each gets the activation blocks
+/// of its own format, and every result equals the matrix multiplied alone, bit for bit.
+#[test]
+fn one_call_over_mixed_formats_equals_each_alone() {
+    let mut rng = Rng(64);
+    let cols = 512;
+    let types = [
+        GgmlType::Q4_K,
+        GgmlType::Q8_0,
+        GgmlType::Q6_K,
+        GgmlType::F16,
+        GgmlType::Q5_0,
+        GgmlType::Q5_K,
+    ];
+    let rows = [24usize, 16, 9, 8, 40, 17];
+    let bytes: Vec<Vec<u8>> = types
+        .iter()
+        .zip(rows)
+        .map(|(&ty, r)| encode(ty, r, cols, &rng.vec(r * cols, 0.5)))
+        .collect();
+    let ms: Vec<Matrix> = types
+        .iter()
+        .zip(rows)
+        .zip(&bytes)
+        .map(|((&ty, r), b)| Matrix::new(ty, r, cols, b).unwrap())
+        .collect();
+    let mut all: Vec<(&'static str, Box<dyn Kernels>)> = backends();
+    all.push(("scalar", Box::new(ScalarKernels)));
+    for n_tok in [1usize, 3, 12] {
+        let x = rng.vec(n_tok * cols, 1.5);
+        for (name, k) in &all {
+            let mut outs: Vec<Vec<f32>> = rows.iter().map(|r| vec![f32::NAN; r * n_tok]).collect();
+            let mut o: Vec<&mut [f32]> = outs.iter_mut().map(|v| &mut v[..]).collect();
+            k.matmul(&ms, &x, n_tok, &mut o).unwrap();
+            for (i, m) in ms.iter().enumerate() {
+                let mut alone = vec![f32::NAN; m.rows * n_tok];
+                k.matmul(&[*m], &x, n_tok, &mut [&mut alone]).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&outs[i]), bits(&alone), "{name} {} T={n_tok}", m.ty);
             }
         }
     }

@@ -86,7 +86,8 @@ impl Drop for FakeModel {
 
 #[test]
 fn check_refuses_what_would_fail_at_start_naming_the_setting() {
-    let gguf = FakeModel::new("ok.gguf", b"GGUF\x03\0\0\0");
+    let tiny = crate::model::synthetic::TinyLlama::default().to_bytes();
+    let gguf = FakeModel::new("ok.gguf", &tiny);
     let text = FakeModel::new("text.gguf", b"hello");
     let check = |args: &[&str]| {
         let mut all = vec!["x"];

@@ -140,7 +140,7 @@ pub(super) fn check_model_file(path: &std::path::Path) -> crate::Result<()> {
             format!("{} is not a GGUF file", path.display()),
         ));
     }
-    Ok(())
+    crate::model::support::check_file(path)
 }
 
 /// Seconds the parsers below accepted (finite, not negative, not absurdly large).

@@ -6,6 +6,7 @@
 //! `general.alignment` (default 32), then tensor data; tensor offsets are relative to the
 //! start of the data and aligned too.
 
+mod ggml_types;
 mod parse;
 mod value;
 pub mod writer;
@@ -16,6 +17,7 @@ mod tests;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use ggml_types::{describe_type, ggml_type_name, supported_types};
 pub use parse::{DEFAULT_ALIGNMENT, parse_header};
 pub use tandem_kernels::GgmlType;
 pub use value::{GgufArray, GgufValue, type_id};
@@ -57,8 +59,16 @@ pub enum GgufError {
     Tensor { tensor: String, reason: String },
     #[error("missing tensor {0}")]
     MissingTensor(String),
-    #[error("unsupported architecture {0:?} (supported: llama)")]
-    UnsupportedArchitecture(String),
+    /// A tensor whose type this build's kernels do not read (`type_name` from
+    /// [`describe_type`]).
+    #[error(
+        "tensor {tensor} is stored as {type_name}, a tensor type this build cannot read (supported: {supported})"
+    )]
+    UnsupportedTensorType {
+        tensor: String,
+        type_name: String,
+        supported: String,
+    },
     /// The file could not be opened or mapped (the crate's [`crate::Error::Io`] once
     /// converted; kept as kind and text so that this type stays `Clone` and `PartialEq`).
     #[error("I/O error on {path}: {message}")]
@@ -80,12 +90,25 @@ pub struct TensorInfo {
     pub n_bytes: usize,
 }
 
+/// A tensor of a type the kernels cannot read: named, never read (its size is unknown
+/// here, so its bytes are not bounds-checked either).
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnsupportedTensor {
+    pub name: String,
+    pub dims: Vec<u64>,
+    /// The GGML type id as stored.
+    pub type_id: u32,
+}
+
 /// Everything before the tensor data.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Header {
     pub version: u32,
     pub metadata: Vec<(String, GgufValue)>,
     pub tensors: Vec<TensorInfo>,
+    /// Tensors of types the kernels do not read, in file order (the engine refuses such a
+    /// file naming them; see `model::support`).
+    pub unsupported: Vec<UnsupportedTensor>,
     pub alignment: usize,
     /// Absolute file offset where tensor data begins.
     pub data_offset: usize,
@@ -217,11 +240,29 @@ impl Gguf {
     }
 
     pub fn tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
+        if let Some(t) = self.header.unsupported.iter().find(|t| t.name == name) {
+            return Err(GgufError::UnsupportedTensorType {
+                tensor: name.to_string(),
+                type_name: describe_type(t.type_id),
+                supported: supported_types(),
+            });
+        }
         self.header
             .tensors
             .iter()
             .find(|t| t.name == name)
             .ok_or_else(|| GgufError::MissingTensor(name.to_string()))
+    }
+
+    /// Whether the file has a tensor of this name (of any type).
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.header.tensors.iter().any(|t| t.name == name)
+            || self.header.unsupported.iter().any(|t| t.name == name)
+    }
+
+    /// Tensors of types this build cannot read.
+    pub fn unsupported_tensors(&self) -> &[UnsupportedTensor] {
+        &self.header.unsupported
     }
 
     /// The bytes of a tensor (bounds were checked when parsing).

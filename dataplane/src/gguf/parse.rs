@@ -4,7 +4,7 @@
 //! anything is allocated, so a hostile count fails fast instead of allocating.
 
 use super::value::{GgufArray, GgufValue, min_size, type_id};
-use super::{GgufError, Header, TensorInfo};
+use super::{GgufError, Header, TensorInfo, UnsupportedTensor};
 use std::collections::HashSet;
 use tandem_kernels::GgmlType;
 
@@ -211,15 +211,19 @@ pub fn parse_header(bytes: &[u8]) -> R<Header> {
     };
 
     let mut infos = Vec::with_capacity(n_tensors);
+    let mut unsupported = Vec::new();
     let mut names = HashSet::with_capacity(n_tensors);
     for i in 0..n_tensors {
         let name = c.string(&|| format!("name of tensor {i}"))?;
-        infos.push(tensor_info(&mut c, name, alignment)?);
-        if !names.insert(infos[i].name.clone()) {
+        if !names.insert(name.clone()) {
             return Err(GgufError::Tensor {
-                tensor: infos[i].name.clone(),
+                tensor: name,
                 reason: "appears twice".into(),
             });
+        }
+        match tensor_info(&mut c, name, alignment)? {
+            Parsed::Known(t) => infos.push(t),
+            Parsed::Unsupported(t) => unsupported.push(t),
         }
     }
 
@@ -241,12 +245,20 @@ pub fn parse_header(bytes: &[u8]) -> R<Header> {
         version,
         metadata,
         tensors: infos,
+        unsupported,
         alignment,
         data_offset,
     })
 }
 
-fn tensor_info(c: &mut Cursor<'_>, name: String, alignment: usize) -> R<TensorInfo> {
+/// A tensor info: one the kernels read, or one whose type they do not (kept by name so
+/// that the refusal can list it).
+enum Parsed {
+    Known(TensorInfo),
+    Unsupported(UnsupportedTensor),
+}
+
+fn tensor_info(c: &mut Cursor<'_>, name: String, alignment: usize) -> R<Parsed> {
     let bad = |reason: String| GgufError::Tensor {
         tensor: name.clone(),
         reason,
@@ -261,11 +273,13 @@ fn tensor_info(c: &mut Cursor<'_>, name: String, alignment: usize) -> R<TensorIn
     let dims = (0..n_dims).map(|_| c.u64(&what)).collect::<R<Vec<_>>>()?;
     let ty_id = c.u32(&what)?;
     let offset = c.u64(&what)?;
-    let ty = GgmlType::from_id(ty_id).map_err(|_| {
-        bad(format!(
-            "unsupported tensor type id {ty_id} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"
-        ))
-    })?;
+    let Ok(ty) = GgmlType::from_id(ty_id) else {
+        return Ok(Parsed::Unsupported(UnsupportedTensor {
+            name,
+            dims,
+            type_id: ty_id,
+        }));
+    };
     let n_elems = dims
         .iter()
         .try_fold(1u64, |a, d| a.checked_mul(*d))
@@ -286,11 +300,11 @@ fn tensor_info(c: &mut Cursor<'_>, name: String, alignment: usize) -> R<TensorIn
             "offset {offset} is not aligned to {alignment}"
         )));
     }
-    Ok(TensorInfo {
+    Ok(Parsed::Known(TensorInfo {
         name,
         dims,
         ty,
         offset,
         n_bytes,
-    })
+    }))
 }

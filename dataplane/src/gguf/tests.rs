@@ -195,14 +195,23 @@ fn semantic_errors_name_key_or_tensor() {
     w.meta("deep", GgufValue::Array(a));
     assert!(err(w.to_bytes()).to_string().contains("deep"));
 
-    // Unsupported tensor type (Q6_K = 14), names the tensor.
-    let mut w = GgufWriter::new();
-    w.tensor("blk.0.x", &[32], GgmlType::Q8_0, vec![0; 34]);
-    let mut b = w.to_bytes();
-    let ty_at = 24 + 8 + 7 + 4 + 8;
-    b[ty_at..ty_at + 4].copy_from_slice(&14u32.to_le_bytes());
-    let e = err(b).to_string();
-    assert!(e.contains("blk.0.x") && e.contains("14"), "{e}");
+    // A tensor type the kernels cannot read (IQ1_S = 19) parses, is listed, and reading
+    // the tensor names it and its type by name; an id ggml never assigned reads as such.
+    for (id, name) in [(19u32, "IQ1_S"), (77, "type 77")] {
+        let mut w = GgufWriter::new();
+        w.tensor("blk.0.x", &[32], GgmlType::Q8_0, vec![0; 34]);
+        let mut b = w.to_bytes();
+        let ty_at = 24 + 8 + 7 + 4 + 8;
+        b[ty_at..ty_at + 4].copy_from_slice(&id.to_le_bytes());
+        let g = Gguf::from_bytes(b).unwrap();
+        assert_eq!(g.unsupported_tensors()[0].type_id, id);
+        assert!(g.tensors().is_empty() && g.has_tensor("blk.0.x"));
+        let e = g.tensor("blk.0.x").unwrap_err().to_string();
+        assert!(
+            e.contains("blk.0.x") && e.contains(name) && e.contains("Q8_0"),
+            "{e}"
+        );
+    }
 
     // Row length not a multiple of the block size.
     let mut w = GgufWriter::new();

@@ -6,38 +6,68 @@
 
 use tandem_kernels::{AttnShape, Backend, RopeTable};
 
-use super::config::LlamaConfig;
+use super::arch::Activation;
+use super::config::ModelConfig;
 use super::weights::Weights;
 use crate::error::{Context, Result};
 
-/// One layer's weights on a backend.
+/// One layer's weights on a backend; the optional ones are there when the architecture
+/// and the file have them (see `super::arch`).
 pub struct LayerOn<B: Backend> {
     pub attn_norm: B::Buf,
     pub wq: B::Weight,
     pub wk: B::Weight,
     pub wv: B::Weight,
     pub wo: B::Weight,
+    /// Q, K and V biases.
+    pub qkv_bias: Option<[B::Buf; 3]>,
+    pub wo_bias: Option<B::Buf>,
+    /// Per-head RMS norms of Q and K.
+    pub qk_norm: Option<[B::Buf; 2]>,
+    pub post_attn_norm: Option<B::Buf>,
     pub ffn_norm: B::Buf,
     pub w_gate: B::Weight,
     pub w_up: B::Weight,
     pub w_down: B::Weight,
+    pub post_ffn_norm: Option<B::Buf>,
 }
 
 /// The model on a backend: its hyperparameters and every weight in the backend's form
 /// (the mapped file's bytes for the CPU, device copies for CUDA).
 pub struct ModelWeights<B: Backend> {
-    pub cfg: LlamaConfig,
+    pub cfg: ModelConfig,
     pub token_embd: B::Weight,
     /// `None` when the output projection is the token embedding (tied), so that it is
     /// not held twice.
     pub output: Option<B::Weight>,
     pub output_norm: B::Buf,
     pub layers: Vec<LayerOn<B>>,
-    pub rope: B::Rope,
+    /// The RoPE tables of `cfg.ropes`; layer `l` uses `ropes[cfg.layers[l].rope]`.
+    pub ropes: Vec<B::Rope>,
+}
+
+/// The RoPE tables of `cfg` (its specs, with the file's frequency factors where a spec
+/// asks for them), for positions below the context length.
+pub fn rope_tables(cfg: &ModelConfig, factors: Option<&[f32]>) -> Result<Vec<RopeTable>> {
+    cfg.ropes
+        .iter()
+        .map(|r| {
+            let f = if r.factors { factors } else { None };
+            RopeTable::scaled(
+                cfg.rope_style(),
+                cfg.rope_dim,
+                r.base,
+                r.freq_scale,
+                f,
+                cfg.context_length,
+            )
+            .context("building the RoPE table")
+        })
+        .collect()
 }
 
 impl<B: Backend> ModelWeights<B> {
-    pub fn load(b: &B, w: &Weights, cfg: &LlamaConfig, rope: &RopeTable) -> Result<Self> {
+    pub fn load(b: &B, w: &Weights, cfg: &ModelConfig, ropes: &[RopeTable]) -> Result<Self> {
         let bytes = w.bytes();
         let load = |name: &str, r: &super::weights::WeightRef| -> Result<B::Weight> {
             let what = || format!("loading {name} onto the {} backend", b.name());
@@ -53,6 +83,8 @@ impl<B: Backend> ModelWeights<B> {
             b.upload(v)
                 .with_context(|| format!("loading {name} onto the {} backend", b.name()))
         };
+        let opt =
+            |name: &str, v: &Option<Vec<f32>>| v.as_deref().map(|v| vector(name, v)).transpose();
         let tied = w.output.same_place(&w.token_embd);
         let token_embd = if tied {
             load("token_embd.weight", &w.token_embd)?
@@ -76,16 +108,36 @@ impl<B: Backend> ModelWeights<B> {
             .enumerate()
             .map(|(i, l)| {
                 let n = |s: &str| format!("blk.{i}.{s}.weight");
+                let bias = |s: &str| format!("blk.{i}.{s}.bias");
+                let qkv_bias = match &l.qkv_bias {
+                    Some(bs) => Some([
+                        vector(&bias("attn_q"), &bs.q)?,
+                        vector(&bias("attn_k"), &bs.k)?,
+                        vector(&bias("attn_v"), &bs.v)?,
+                    ]),
+                    None => None,
+                };
+                let qk_norm = match (&l.q_norm, &l.k_norm) {
+                    (Some(q), Some(k)) => {
+                        Some([vector(&n("attn_q_norm"), q)?, vector(&n("attn_k_norm"), k)?])
+                    }
+                    _ => None,
+                };
                 Ok(LayerOn {
                     attn_norm: vector(&n("attn_norm"), &l.attn_norm)?,
                     wq: load(&n("attn_q"), &l.wq)?,
                     wk: load(&n("attn_k"), &l.wk)?,
                     wv: load(&n("attn_v"), &l.wv)?,
                     wo: load(&n("attn_output"), &l.wo)?,
+                    qkv_bias,
+                    wo_bias: opt(&bias("attn_output"), &l.wo_bias)?,
+                    qk_norm,
+                    post_attn_norm: opt(&n("post_attention_norm"), &l.post_attn_norm)?,
                     ffn_norm: vector(&n("ffn_norm"), &l.ffn_norm)?,
                     w_gate: load(&n("ffn_gate"), &l.w_gate)?,
                     w_up: load(&n("ffn_up"), &l.w_up)?,
                     w_down: load(&n("ffn_down"), &l.w_down)?,
+                    post_ffn_norm: opt(&n("post_ffw_norm"), &l.post_ffn_norm)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -95,7 +147,10 @@ impl<B: Backend> ModelWeights<B> {
             output,
             output_norm: vector("output_norm.weight", &w.output_norm)?,
             layers,
-            rope: b.load_rope(rope).context("loading the rope table")?,
+            ropes: ropes
+                .iter()
+                .map(|r| b.load_rope(r).context("loading the rope table"))
+                .collect::<Result<_>>()?,
         })
     }
 
@@ -143,7 +198,7 @@ pub(crate) fn grown_caps(
 }
 
 impl<B: Backend> Activations<B> {
-    pub fn new(b: &B, c: &LlamaConfig, cap: usize, want_cap: usize) -> Result<Self> {
+    pub fn new(b: &B, c: &ModelConfig, cap: usize, want_cap: usize) -> Result<Self> {
         let widest = c.dim.max(c.q_dim()).max(c.ffn_dim);
         let buf = |n: usize| b.zeros(n).context("allocating activation buffers");
         Ok(Self {
@@ -170,7 +225,7 @@ impl<B: Backend> Activations<B> {
     /// Make room for `n` tokens and `nw` logits rows; `true` when the buffers were
     /// reallocated (they moved: anything holding their addresses, such as a CUDA graph,
     /// is stale).
-    pub fn ensure(&mut self, b: &B, c: &LlamaConfig, n: usize, nw: usize) -> Result<bool> {
+    pub fn ensure(&mut self, b: &B, c: &ModelConfig, n: usize, nw: usize) -> Result<bool> {
         match grown_caps(self.cap, self.want_cap, n, nw) {
             Some((cap, want_cap)) => {
                 *self = Self::new(b, c, cap, want_cap)?;
@@ -204,14 +259,14 @@ pub fn forward<B: Backend>(
     nw: usize,
 ) -> Result<()> {
     let c = &m.cfg;
-    let (dim, ffn, eps) = (c.dim, c.ffn_dim, c.rms_eps);
-    let shape = AttnShape {
-        n_heads: c.n_heads,
-        n_kv_heads: c.n_kv_heads,
-        head_dim: c.head_dim,
-    };
+    let (dim, ffn, eps, hd) = (c.dim, c.ffn_dim, c.rms_eps, c.head_dim);
     b.embed(&m.token_embd, step, n, &mut a.x)?;
+    if let Some(s) = c.embed_scale {
+        b.scale(&mut a.x, s, n * dim)?;
+    }
     for (l, lw) in m.layers.iter().enumerate() {
+        let spec = c.layers[l];
+        let rope = &m.ropes[spec.rope];
         b.rmsnorm(&a.x, &lw.attn_norm, eps, n, &mut a.h)?;
         b.matmul(
             [&lw.wq, &lw.wk, &lw.wv],
@@ -220,12 +275,42 @@ pub fn forward<B: Backend>(
             [&mut a.q, &mut a.k, &mut a.v],
             &mut a.scratch,
         )?;
-        b.rope(&mut a.q, n, c.n_heads, c.head_dim, step, &m.rope)?;
-        b.rope(&mut a.k, n, c.n_kv_heads, c.head_dim, step, &m.rope)?;
+        if let Some([bq, bk, bv]) = &lw.qkv_bias {
+            b.add_bias(&mut a.q, bq, n)?;
+            b.add_bias(&mut a.k, bk, n)?;
+            b.add_bias(&mut a.v, bv, n)?;
+        }
+        if let Some([qn, kn]) = &lw.qk_norm {
+            b.rmsnorm_in_place(&mut a.q, qn, eps, n * c.n_heads)?;
+            b.rmsnorm_in_place(&mut a.k, kn, eps, n * c.n_kv_heads)?;
+        }
+        b.rope(&mut a.q, n, c.n_heads, hd, step, rope)?;
+        b.rope(&mut a.k, n, c.n_kv_heads, hd, step, rope)?;
+        if let Some(s) = c.q_scale {
+            b.scale(&mut a.q, s, n * c.q_dim())?;
+        }
         b.kv_store(kv, l, &a.k, &a.v, step, n)?;
+        let shape = AttnShape {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: hd,
+            window: spec.window,
+        };
         b.attention(&shape, &a.q, step, kv, l, &mut a.att)?;
         b.matmul([&lw.wo], &a.att, n, [&mut a.o], &mut a.scratch)?;
-        b.add(&mut a.x, &a.o, n * dim)?;
+        if let Some(bo) = &lw.wo_bias {
+            b.add_bias(&mut a.o, bo, n)?;
+        }
+        residual(
+            b,
+            &mut a.x,
+            &a.o,
+            lw.post_attn_norm.as_ref(),
+            eps,
+            n,
+            dim,
+            &mut a.h,
+        )?;
 
         b.rmsnorm(&a.x, &lw.ffn_norm, eps, n, &mut a.h)?;
         b.matmul(
@@ -235,14 +320,48 @@ pub fn forward<B: Backend>(
             [&mut a.gate, &mut a.up],
             &mut a.scratch,
         )?;
-        b.silu_mul(&mut a.gate, &a.up, n * ffn)?;
+        match c.activation() {
+            Activation::Silu => b.silu_mul(&mut a.gate, &a.up, n * ffn)?,
+            Activation::GeluTanh => b.gelu_mul(&mut a.gate, &a.up, n * ffn)?,
+        }
         b.matmul([&lw.w_down], &a.gate, n, [&mut a.o], &mut a.scratch)?;
-        b.add(&mut a.x, &a.o, n * dim)?;
+        residual(
+            b,
+            &mut a.x,
+            &a.o,
+            lw.post_ffn_norm.as_ref(),
+            eps,
+            n,
+            dim,
+            &mut a.h,
+        )?;
     }
     if nw > 0 {
         b.gather_wanted(&a.x, step, nw, dim, &mut a.last)?;
         b.rmsnorm(&a.last, &m.output_norm, eps, nw, &mut a.normed)?;
         b.matmul([m.output()], &a.normed, nw, [&mut a.logits], &mut a.scratch)?;
+    }
+    Ok(())
+}
+
+/// `x += y`, or `x += rmsnorm(y, post)` with a sandwich norm (normed through `tmp`).
+#[allow(clippy::too_many_arguments)]
+fn residual<B: Backend>(
+    b: &B,
+    x: &mut B::Buf,
+    y: &B::Buf,
+    post: Option<&B::Buf>,
+    eps: f32,
+    n: usize,
+    dim: usize,
+    tmp: &mut B::Buf,
+) -> Result<()> {
+    match post {
+        Some(w) => {
+            b.rmsnorm(y, w, eps, n, tmp)?;
+            b.add(x, tmp, n * dim)?;
+        }
+        None => b.add(x, y, n * dim)?,
     }
     Ok(())
 }

@@ -6,14 +6,14 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
-use super::config::LlamaConfig;
+use super::config::ModelConfig;
 use crate::engine_api::ModelInfo;
 use crate::gguf::Gguf;
 
 impl ModelInfo {
     /// The facts of the model in `g` (hyperparameters `cfg`, parsed from it) served with
     /// a KV cache of `kv_block_size`-token blocks.
-    pub fn from_gguf(g: &Gguf, cfg: &LlamaConfig, kv_block_size: usize) -> Self {
+    pub fn from_gguf(g: &Gguf, cfg: &ModelConfig, kv_block_size: usize) -> Self {
         ModelInfo {
             name: cfg.name.clone(),
             vocab_size: cfg.vocab_size,

@@ -9,10 +9,10 @@ use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
 
-use tandem_kernels::{Backend, GgmlType, RopeStyle, RopeTable, StepDesc};
+use tandem_kernels::{Backend, GgmlType, StepDesc};
 
-use super::config::LlamaConfig;
-use super::forward::{Activations, ModelWeights, forward};
+use super::config::ModelConfig;
+use super::forward::{Activations, ModelWeights, forward, rope_tables};
 use super::kv_cache::{BlockAllocator, KvCacheConfig};
 use super::kv_transfer::KvHeader;
 use super::weights::Weights;
@@ -85,18 +85,11 @@ impl<B: Backend> LoadedModel<B> {
     /// Parse the model in `g`, put its weights, KV pools and activation buffers on
     /// `backend`.
     pub fn load(g: Arc<Gguf>, rc: RunnerConfig, backend: B) -> Result<Self> {
-        let cfg = LlamaConfig::from_gguf(&g)?;
+        let cfg = ModelConfig::from_gguf(&g)?;
         let spec = rc.kv.spec(cfg.n_layers, cfg.kv_dim())?;
         let w = Weights::load(Arc::clone(&g), &cfg)?;
-        // The llama architecture uses the interleaved-pairs ("normal") rope: the GGUF
-        // converter permutes the Q/K rows of HF checkpoints so that this is correct.
-        let rope = RopeTable::new(
-            RopeStyle::Normal,
-            cfg.rope_dim,
-            cfg.rope_base,
-            cfg.context_length,
-        )?;
-        let weights = ModelWeights::load(&backend, &w, &cfg, &rope)?;
+        let ropes = rope_tables(&cfg, w.rope_freqs.as_deref())?;
+        let weights = ModelWeights::load(&backend, &w, &cfg, &ropes)?;
         let kv = backend
             .alloc_kv(&spec)
             .with_context(|| format!("allocating the KV cache ({:?})", rc.kv))?;
@@ -128,7 +121,7 @@ impl<B: Backend> LoadedModel<B> {
         &self.backend
     }
 
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.weights.cfg
     }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use tandem_kernels::{CpuBackend, CpuKernels, Kernels};
 
-use super::config::LlamaConfig;
+use super::config::ModelConfig;
 use super::kv_cache::KvCacheConfig;
 use super::loaded::{LoadedModel, RunnerConfig, split_logits};
 use crate::engine_api::{
@@ -54,7 +54,7 @@ impl CpuModelRunner {
         &self.model
     }
 
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &ModelConfig {
         self.model.config()
     }
 

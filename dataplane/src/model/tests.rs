@@ -135,7 +135,7 @@ fn batched_equals_single_on_tiny_models() {
             eprintln!("{name} {wt}");
             let bytes = TinyLlama {
                 weight_type: wt,
-                ..Default::default()
+                ..TinyLlama::fitting(wt)
             }
             .to_bytes();
             batched_equals_single(
@@ -164,11 +164,15 @@ fn real_model_batched_equals_single_bitwise() {
     batched_equals_single(mk, &prompts, 3, 0.0);
 }
 
-/// The optimized backend differs from the scalar one only in f32 summation order; a last
-/// bit can still move a value across a rounding step of the Q8 activations or of the KV
-/// storage, which then shifts logits (up to ~±50 on these random models) slightly. F16 KV
-/// storage is left out here: its rounding steps are fine enough to be crossed often
-/// (seen: 0.2 on a logit of 50), which says nothing about the kernels.
+/// The optimized backend's quantized products are the scalar one's bit for bit; norms,
+/// attention and SwiGLU differ in f32 summation order, and a last bit can still move a
+/// value across a rounding step of the Q8 activations or of the KV storage, which then
+/// shifts logits (up to ~±70 on these random models) by up to ~1 % of the largest (one
+/// flipped code: seen 0.10 of 12.8 with Q5_1 weights and Q8_0 KV, 0.30 of 69 with Q4_K,
+/// whose 256-wide activation blocks share one scale). Hence 3 % of the largest logit; a
+/// wrong kernel is off by far more, and the tokens must agree. F16 KV storage is left out here: its
+/// rounding steps are fine enough to be crossed often, which says nothing about the
+/// kernels.
 #[test]
 fn optimized_backend_matches_scalar_reference_through_the_model() {
     let prompt = [5u32, 17, 42, 8, 77, 3];
@@ -181,7 +185,7 @@ fn optimized_backend_matches_scalar_reference_through_the_model() {
                 weight_type: wt,
                 embd_type: et,
                 untied_output: untied,
-                ..Default::default()
+                ..TinyLlama::fitting(wt)
             }
             .to_bytes();
             let mut a = runner_from(bytes.clone(), Arc::new(ScalarKernels), kv);
@@ -194,8 +198,9 @@ fn optimized_backend_matches_scalar_reference_through_the_model() {
                 .zip(&lb)
                 .map(|(x, y)| max_diff(x, y))
                 .fold(0f32, f32::max);
-            eprintln!("{wt}/{et}/{kv}: max |Δlogit| {worst:.2e}");
-            assert!(worst < 1e-2, "{wt}/{et}/{kv}: {worst}");
+            let scale = la.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+            eprintln!("{wt}/{et}/{kv}: max |Δlogit| {worst:.2e} (max |logit| {scale:.1})");
+            assert!(worst < 3e-2 * scale, "{wt}/{et}/{kv}: {worst}");
         }
     }
 }

@@ -60,14 +60,31 @@ pub async fn chat(state: Arc<AppState>, body: Bytes) -> R<http::Response<Body>> 
         common.sampling.logprobs = Some(n as usize);
     }
     let chat = state.chat.as_ref().ok_or_else(|| {
-        ApiError::invalid(None, "this model has no chat template; use /v1/completions")
+        ApiError::invalid(
+            None,
+            format!(
+                "model '{}' has no chat template (the GGUF file has no tokenizer.chat_template,                  as base models do): use /v1/completions, or start the server with                  --chat-template FILE",
+                state.model_name
+            ),
+        )
+        .with_code("chat_template_missing")
     })?;
+    // Content stays text: control-token texts in it are broken before the template sees
+    // them (`Tokenizer::protect`) and restored as plain text when the rendered prompt is
+    // tokenized.
+    let messages: Vec<_> = messages
+        .into_iter()
+        .map(|mut m| {
+            m.content = m.content.map(|c| state.tokenizer.protect(&c));
+            m
+        })
+        .collect();
     let text = chat
         .render(&messages, true)
         .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
     // The template writes the special tokens itself (e.g. <|im_start|>), so they are parsed;
     // BOS is added only when the model asks for it and the template did not write it.
-    let mut ids = state.tokenizer.encode(&text, false, true);
+    let mut ids = state.tokenizer.encode_rendered(&text, false);
     if let Some(bos) = state.tokenizer.bos_id().filter(|_| state.add_bos)
         && ids.first() != Some(&bos)
     {

@@ -27,7 +27,7 @@ fn present<'a>(o: &'a Obj, k: &str) -> Option<&'a Value> {
     o.get(k).filter(|v| !v.is_null())
 }
 
-fn wrong_type(k: &str, want: &str, v: &Value) -> ApiError {
+pub(super) fn wrong_type(k: &str, want: &str, v: &Value) -> ApiError {
     ApiError::invalid(Some(k), format!("'{k}' must be {want}, got {v}")).with_code("invalid_type")
 }
 
@@ -209,77 +209,9 @@ pub fn common(o: &Obj, max_tokens_keys: &[&str], vocab_size: usize) -> R<Common>
     })
 }
 
+/// `messages`, validated as OpenAI does (`super::messages`).
 pub fn messages(o: &Obj) -> R<Vec<ChatMessage>> {
-    let arr = match present(o, "messages") {
-        None => {
-            return Err(ApiError::invalid(
-                Some("messages"),
-                "'messages' is required",
-            ));
-        }
-        Some(Value::Array(a)) => a,
-        Some(v) => return Err(wrong_type("messages", "an array", v)),
-    };
-    if arr.is_empty() {
-        return Err(ApiError::invalid(
-            Some("messages"),
-            "'messages' must contain at least one message",
-        ));
-    }
-    arr.iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let p = format!("messages[{i}]");
-            let m = m
-                .as_object()
-                .ok_or_else(|| wrong_type(&p, "an object", m))?;
-            let role = opt_str(m, "role").map_err(|e| ApiError {
-                param: Some(format!("{p}.role")),
-                ..e
-            })?;
-            let role = role.ok_or_else(|| {
-                ApiError::invalid(
-                    Some(&format!("{p}.role")),
-                    format!("'{p}.role' is required"),
-                )
-            })?;
-            Ok(ChatMessage {
-                role: role.to_owned(),
-                content: content(m, &p)?,
-            })
-        })
-        .collect()
-}
-
-/// A string, an array of `{"type":"text","text":...}` parts, or null (assistant turns
-/// that only carried tool calls).
-fn content(m: &Obj, p: &str) -> R<String> {
-    let k = format!("{p}.content");
-    match m.get("content") {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => {
-            let mut s = String::new();
-            for part in parts {
-                match (
-                    part.get("type").and_then(Value::as_str),
-                    part.get("text").and_then(Value::as_str),
-                ) {
-                    (Some("text"), Some(t)) => s.push_str(t),
-                    _ => {
-                        return Err(ApiError::invalid(
-                            Some(&k),
-                            format!(
-                                "'{k}' parts must be {{\"type\":\"text\",\"text\":...}}; got {part}"
-                            ),
-                        ));
-                    }
-                }
-            }
-            Ok(s)
-        }
-        Some(v) => Err(wrong_type(&k, "a string or an array of text parts", v)),
-    }
+    super::messages::parse(o)
 }
 
 /// Completions prompt: a string, a one-element array of strings, or an array of token ids.

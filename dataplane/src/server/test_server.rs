@@ -41,7 +41,8 @@ pub(super) fn toy_tokenizer() -> Tokenizer {
         merges: vec![],
         bos_id: Some(256),
         eos_id: Some(257),
-        add_bos: false,
+        add_bos: Some(false),
+        ..Default::default()
     })
     .unwrap()
 }

@@ -49,36 +49,66 @@ fn opt_id(g: &Gguf, key: &str) -> Result<Option<u32>> {
     })
 }
 
+fn floats(g: &Gguf, key: &str) -> Result<Vec<f32>> {
+    match g.get_array(key)? {
+        GgufArray::F32(v) => Ok(v.clone()),
+        other => Err(bad(key, other)),
+    }
+}
+
+fn opt_bool(g: &Gguf, key: &str) -> Option<bool> {
+    g.get(key).and_then(|v| v.as_bool())
+}
+
 impl TokenizerSpec {
     /// Reads `tokenizer.ggml.*`. A missing `tokenizer.ggml.pre` means the default
-    /// GPT-2 pattern, as in llama.cpp.
+    /// GPT-2 pattern; a SentencePiece file without BOS/EOS ids has llama.cpp's 1 and 2.
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
+        let model = g.get_str("tokenizer.ggml.model")?.to_owned();
         let pre = match g.get("tokenizer.ggml.pre") {
             None => "gpt2".to_owned(),
             Some(_) => g.get_str("tokenizer.ggml.pre")?.to_owned(),
         };
-        let merges = if g.get("tokenizer.ggml.merges").is_some() {
+        let present = |k: &str| g.get(k).is_some();
+        let merges = if present("tokenizer.ggml.merges") {
             strings(g, "tokenizer.ggml.merges")?
         } else {
             vec![]
         };
-        let token_types = if g.get("tokenizer.ggml.token_type").is_some() {
+        let token_types = if present("tokenizer.ggml.token_type") {
             ints(g, "tokenizer.ggml.token_type")?
         } else {
             vec![]
         };
+        let scores = if present("tokenizer.ggml.scores") {
+            floats(g, "tokenizer.ggml.scores")?
+        } else {
+            vec![]
+        };
+        let spm = model == "llama";
+        let id_or = |key: &str, default: u32| -> Result<Option<u32>> {
+            Ok(opt_id(g, key)?.or(spm.then_some(default)))
+        };
+        let eot_ids = ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
+            .iter()
+            .map(|k| opt_id(g, k))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .flatten()
+            .collect();
         Ok(Self {
-            model: g.get_str("tokenizer.ggml.model")?.to_owned(),
+            model,
             pre,
             tokens: strings(g, "tokenizer.ggml.tokens")?,
             token_types,
+            scores,
             merges,
-            bos_id: opt_id(g, "tokenizer.ggml.bos_token_id")?,
-            eos_id: opt_id(g, "tokenizer.ggml.eos_token_id")?,
-            add_bos: g
-                .get("tokenizer.ggml.add_bos_token")
-                .and_then(|v| v.as_bool())
-                .unwrap_or(false),
+            bos_id: id_or("tokenizer.ggml.bos_token_id", 1)?,
+            eos_id: id_or("tokenizer.ggml.eos_token_id", 2)?,
+            eot_ids,
+            add_bos: opt_bool(g, "tokenizer.ggml.add_bos_token"),
+            add_eos: opt_bool(g, "tokenizer.ggml.add_eos_token").unwrap_or(false),
+            add_space_prefix: opt_bool(g, "tokenizer.ggml.add_space_prefix"),
         })
     }
 }

@@ -33,7 +33,8 @@ fn toy() -> Tokenizer {
         merges,
         bos_id: Some(n as u32 - 2),
         eos_id: Some(n as u32 - 1),
-        add_bos: true,
+        add_bos: Some(true),
+        ..Default::default()
     })
     .unwrap()
 }
@@ -61,12 +62,21 @@ fn toy_merges_apply_by_rank_and_specials_are_parsed() {
 #[test]
 fn unsupported_model_and_bad_merges_are_clear_errors() {
     let spec = TokenizerSpec {
-        model: "llama".into(),
+        model: "bert".into(),
         pre: "smollm".into(),
         ..Default::default()
     };
     let e = Tokenizer::new(spec).err().unwrap().to_string();
-    assert!(e.contains("unsupported tokenizer model 'llama'"), "{e}");
+    assert!(e.contains("unsupported tokenizer model 'bert'"), "{e}");
+    assert!(e.contains("gpt2") && e.contains("llama"), "{e}");
+    // SentencePiece needs its byte tokens for byte fallback.
+    let spec = TokenizerSpec {
+        model: "llama".into(),
+        tokens: vec!["<unk>".into(), "a".into()],
+        ..Default::default()
+    };
+    let e = Tokenizer::new(spec).err().unwrap().to_string();
+    assert!(e.contains("<0xXX>"), "{e}");
     let bm = ByteMap::new();
     let spec = TokenizerSpec {
         model: "gpt2".into(),
@@ -156,7 +166,8 @@ fn reference() -> &'static Reference {
                 .collect(),
             bos_id: spec["bos_id"].as_u64().map(|x| x as u32),
             eos_id: spec["eos_id"].as_u64().map(|x| x as u32),
-            add_bos: spec["add_bos"].as_bool().unwrap(),
+            add_bos: spec["add_bos"].as_bool(),
+            ..Default::default()
         };
         Reference {
             tok: Tokenizer::new(spec).unwrap(),
@@ -233,10 +244,7 @@ fn from_gguf_reads_the_same_tokenizer_as_the_reference_metadata() {
         .unwrap()
         .expect("SmolLM2 ships a chat template");
     let chat = crate::chat::ChatTemplate::new(&tmpl, "<|im_start|>", "<|im_end|>").unwrap();
-    let msg = crate::chat::ChatMessage {
-        role: "user".into(),
-        content: "Hi".into(),
-    };
+    let msg = crate::chat::ChatMessage::text("user", "Hi");
     let text = chat.render(&[msg], true).unwrap();
     assert!(
         text.starts_with("<|im_start|>system\n")

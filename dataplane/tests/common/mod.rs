@@ -22,13 +22,19 @@ pub fn repo_root() -> PathBuf {
 
 /// The real model; a missing model fails the test (never a silent skip).
 pub fn model_path() -> PathBuf {
+    model_file("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// A model file of the cache (`scripts/fetch-model.sh`); a missing one fails the test.
+pub fn model_file(file: &str) -> PathBuf {
     let dir = std::env::var_os("TANDEM_MODEL_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| repo_root().join(".cache/models"));
-    let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = dir.join(file);
     assert!(
         p.is_file(),
-        "model {} not found: run `make model` (or set TANDEM_MODEL_DIR)",
+        "model {} not found: run `make model` (or scripts/fetch-model.sh NAME; or set \
+         TANDEM_MODEL_DIR)",
         p.display()
     );
     p

@@ -18,6 +18,9 @@
 //! and the weighted sum over V continues from the stored accumulator chunk after chunk,
 //! which adds the same terms in the same order as one pass. A query's output is therefore
 //! the same bits whichever shape its batch took (batch invariance); a test checks it.
+//!
+//! A sliding window (`AttnShape::window`) only moves where both shapes start: positions
+//! `first_pos(n_ctx)..n_ctx`, read in the same order by both.
 
 use super::{CpuKernels, SCRATCH, fill_offsets, grow};
 use crate::api::{AttnQuery, AttnShape, Kernels as _, KvView};
@@ -93,17 +96,20 @@ fn attend_query(sx: super::Avx2, c: &Call<'_>, qi: usize, o: &mut [f32]) {
     let (s, k, v) = (c.s, c.k, c.v);
     let (hd, g_size, n_kv) = (s.head_dim, s.group(), s.n_kv_heads);
     let qu = &c.queries[qi];
-    let n = qu.n_ctx;
+    // Positions lo..n_ctx (a sliding window's), `n` of them; offsets of all 0..n_ctx.
+    let (lo, n_ctx) = (s.first_pos(qu.n_ctx), qu.n_ctx);
+    let n = n_ctx - lo;
     let q = &c.q[qi * s.q_dim()..][..s.q_dim()];
     SCRATCH.with_borrow_mut(|sc| {
         grow(&mut sc.f, s.n_heads * n);
-        grow(&mut sc.offs, n + CHUNK);
-        // scores[h * n + t]: query head h against position t.
+        grow(&mut sc.offs, n_ctx + CHUNK);
+        // scores[h * n + t]: query head h against position lo + t.
         let scores = &mut sc.f[..s.n_heads * n];
-        let (rows, heads) = sc.offs.split_at_mut(n);
+        let (all_rows, heads) = sc.offs.split_at_mut(n_ctx);
         let heads = &mut heads[..CHUNK];
         // Where each position's row starts (head 0), then per chunk and head the slices.
-        fill_offsets(rows, qu.block_table, k.block_tokens, c.k_row, 0, 0);
+        fill_offsets(all_rows, qu.block_table, k.block_tokens, c.k_row, 0, 0);
+        let rows = &all_rows[lo..];
         for t0 in (0..n).step_by(CHUNK) {
             let m = CHUNK.min(n - t0);
             for g in 0..n_kv {
@@ -119,7 +125,8 @@ fn attend_query(sx: super::Avx2, c: &Call<'_>, qi: usize, o: &mut [f32]) {
         for row in scores.chunks_exact_mut(n) {
             sx.softmax(row);
         }
-        fill_offsets(rows, qu.block_table, v.block_tokens, c.v_row, 0, 0);
+        fill_offsets(all_rows, qu.block_table, v.block_tokens, c.v_row, 0, 0);
+        let rows = &all_rows[lo..];
         for t0 in (0..n).step_by(CHUNK) {
             let m = CHUNK.min(n - t0);
             for g in 0..n_kv {
@@ -141,15 +148,25 @@ fn attend_head(kern: &CpuKernels, c: &Call<'_>, qi: usize, g: usize, o: &mut [f3
     let (hd, g_size) = (c.s.head_dim, c.s.group());
     let (k, v) = (c.k, c.v);
     let qu = &c.queries[qi];
-    let n = qu.n_ctx;
+    // Positions lo..n_ctx (a sliding window's), `n` of them; offsets of all 0..n_ctx.
+    let (lo, n_ctx) = (c.s.first_pos(qu.n_ctx), qu.n_ctx);
+    let n = n_ctx - lo;
     let qg = &c.q[(qi * c.s.n_heads + g * g_size) * hd..][..g_size * hd];
     SCRATCH.with_borrow_mut(|sc| {
         grow(&mut sc.f, g_size * n);
         grow(&mut sc.f2, n * hd);
-        grow(&mut sc.offs, n);
+        grow(&mut sc.offs, n_ctx);
         let (scores, rows) = (&mut sc.f[..g_size * n], &mut sc.f2[..n * hd]);
-        let offs = &mut sc.offs[..n];
-        fill_offsets(offs, qu.block_table, k.block_tokens, c.k_row, c.k_head, g);
+        let all_offs = &mut sc.offs[..n_ctx];
+        fill_offsets(
+            all_offs,
+            qu.block_table,
+            k.block_tokens,
+            c.k_row,
+            c.k_head,
+            g,
+        );
+        let offs = &all_offs[lo..];
         let fused = match kern.simd {
             #[cfg(target_arch = "x86_64")]
             Some(sx) => sx.attn_scores(k.ty, k.data, offs, hd, qg, c.scale, scores, n),
@@ -174,7 +191,15 @@ fn attend_head(kern: &CpuKernels, c: &Call<'_>, qi: usize, g: usize, o: &mut [f3
                 _ => ScalarKernels.softmax(row),
             }
         }
-        fill_offsets(offs, qu.block_table, v.block_tokens, c.v_row, c.v_head, g);
+        fill_offsets(
+            all_offs,
+            qu.block_table,
+            v.block_tokens,
+            c.v_row,
+            c.v_head,
+            g,
+        );
+        let offs = &all_offs[lo..];
         let fused = match kern.simd {
             #[cfg(target_arch = "x86_64")]
             Some(sx) => sx.attn_pv(v.ty, v.data, offs, hd, scores, n, o, false),

@@ -111,9 +111,10 @@ impl std::fmt::Debug for CpuBackend {
 }
 
 impl CpuBackend {
-    /// On `kernels`, sharing their pool (the global pool for kernels without one).
+    /// On `kernels`, sharing their pool: the shared pool of the size they run on
+    /// ([`Kernels::parallelism`]; the global pool for kernels without a preference).
     pub fn new(kernels: Arc<dyn Kernels>) -> Self {
-        let pool = kernels.thread_pool().unwrap_or_else(ThreadPool::global);
+        let pool = ThreadPool::shared(kernels.parallelism());
         Self { kernels, pool }
     }
 
@@ -389,10 +390,47 @@ impl Backend for CpuBackend {
         )
     }
 
+    fn rmsnorm_in_place(
+        &self,
+        x: &mut Vec<f32>,
+        w: &Vec<f32>,
+        eps: f32,
+        rows: usize,
+    ) -> Result<()> {
+        let n = rows * w.len();
+        self.kernels
+            .rmsnorm_in_place(prefix_mut("rmsnorm_in_place", "x", x, n)?, w, eps)
+    }
+
+    fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, rows: usize) -> Result<()> {
+        if bias.is_empty() {
+            return Err(shape("add_bias", "an empty bias"));
+        }
+        let x = prefix_mut("add_bias", "x", x, rows * bias.len())?;
+        for row in x.chunks_exact_mut(bias.len()) {
+            row.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
+        }
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, s: f32, n: usize) -> Result<()> {
+        prefix_mut("scale", "x", x, n)?
+            .iter_mut()
+            .for_each(|v| *v *= s);
+        Ok(())
+    }
+
     fn silu_mul(&self, gate: &mut Vec<f32>, up: &Vec<f32>, n: usize) -> Result<()> {
         self.kernels.silu_mul(
             prefix_mut("silu_mul", "gate", gate, n)?,
             prefix("silu_mul", "up", up, n)?,
+        )
+    }
+
+    fn gelu_mul(&self, gate: &mut Vec<f32>, up: &Vec<f32>, n: usize) -> Result<()> {
+        self.kernels.gelu_mul(
+            prefix_mut("gelu_mul", "gate", gate, n)?,
+            prefix("gelu_mul", "up", up, n)?,
         )
     }
 
@@ -478,6 +516,25 @@ mod tests {
             block_tokens: 4,
             n_blocks,
         }
+    }
+
+    #[test]
+    fn the_backend_runs_on_the_pool_of_its_kernels() {
+        use crate::cpu::{CpuKernels, CpuOptions};
+        let k = CpuKernels::with_options(CpuOptions {
+            threads: Some(3),
+            simd: true,
+        });
+        let pool = k.pool();
+        assert!(std::ptr::eq(CpuBackend::new(Arc::new(k)).pool(), pool));
+        // Kernels without a preference (the scalar reference): the global pool.
+        let b = CpuBackend::new(Arc::new(ScalarKernels));
+        assert!(std::ptr::eq(b.pool(), ThreadPool::global()));
+        let k = CpuKernels::new();
+        assert!(std::ptr::eq(
+            CpuBackend::new(Arc::new(k)).pool(),
+            ThreadPool::global()
+        ));
     }
 
     #[test]

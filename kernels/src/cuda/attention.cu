@@ -6,7 +6,9 @@
 //     (table[p / block_tokens] * block_tokens + p % block_tokens) * row_bytes + g * head_bytes
 //   where a row is one token's n_kv_heads * head_dim values stored as `ty` (F32/F16/Q8_0).
 // tables: all sequences' block tables concatenated; tbl_off[q] is where query q's starts.
-// q, out: [n_queries][n_heads][head_dim] f32. n_ctx[q]: positions 0..n_ctx[q] are visible.
+// q, out: [n_queries][n_heads][head_dim] f32. n_ctx[q]: positions 0..n_ctx[q] are visible,
+// or with a sliding window (window > 0) only the last `window` of them:
+// max(0, n_ctx[q] - window)..n_ctx[q] (llama.cpp's standard SWA mask).
 //
 // Both kernels use the online ("flash") softmax: scores are consumed 32 positions at a
 // time, lane j scoring position t0 + j, keeping a running max m, normaliser l and the
@@ -41,7 +43,8 @@ extern "C" __global__ void tandem_attn_decode(const float* q, float* out, const 
                                               const u32* tables, const u8* kpool,
                                               const u8* vpool, int ty, int row_bytes,
                                               int head_bytes, int bt, int n_heads,
-                                              int n_kv_heads, int hd, float scale) {
+                                              int n_kv_heads, int hd, float scale,
+                                              int window) {
     extern __shared__ float att_smem[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int h = blockIdx.x * 4 + warp;
@@ -58,7 +61,8 @@ extern "C" __global__ void tandem_attn_decode(const float* q, float* out, const 
     float acc[ATT_MAX_DPL];
 #pragma unroll
     for (int i = 0; i < ATT_MAX_DPL; i++) acc[i] = 0.0f;
-    for (int t0 = 0; t0 < n; t0 += 32) {
+    int lo = window > 0 ? max(0, n - window) : 0;
+    for (int t0 = lo; t0 < n; t0 += 32) {
         int t = t0 + lane;
         float s = NEG_INF;
         if (t < n) s = dot_head(qs, kpool + kv_slot(tbl, t, bt) * row_bytes + (u64)g * head_bytes, ty, hd) * scale;
@@ -100,7 +104,7 @@ extern "C" __global__ void tandem_attn_prefill(const float* q, float* out, const
                                                const u8* kpool, const u8* vpool, int ty,
                                                int row_bytes, int head_bytes, int bt,
                                                int n_heads, int n_kv_heads, int hd, float scale,
-                                               int bk) {
+                                               int bk, int window) {
     extern __shared__ float att_smem[];
     const int hp = hd + 1;  // padded rows: lane j reading row j hits bank (j + d) % 32
     float* Qs = att_smem;
@@ -115,8 +119,12 @@ extern "C" __global__ void tandem_attn_prefill(const float* q, float* out, const
         int r = idx / hd, d = idx % hd;
         Qs[r * hp + d] = r < nq ? q[((u64)(q0 + r) * n_heads + h) * hd + d] : 0.0f;
     }
-    int max_ctx = 0;
-    for (int r = 0; r < nq; r++) max_ctx = max(max_ctx, n_ctx[q0 + r]);
+    int max_ctx = 0, min_lo = 1 << 30;
+    for (int r = 0; r < nq; r++) {
+        int n = n_ctx[q0 + r];
+        max_ctx = max(max_ctx, n);
+        min_lo = min(min_lo, window > 0 ? max(0, n - window) : 0);
+    }
     float m[4], l[4], acc[4][ATT_MAX_DPL];
 #pragma unroll
     for (int r = 0; r < 4; r++) {
@@ -125,7 +133,9 @@ extern "C" __global__ void tandem_attn_prefill(const float* q, float* out, const
 #pragma unroll
         for (int i = 0; i < ATT_MAX_DPL; i++) acc[r][i] = 0.0f;
     }
-    for (int k0 = 0; k0 < max_ctx; k0 += bk) {
+    // Chunks start where the tile's earliest window does (block-uniform: every thread
+    // takes every barrier below).
+    for (int k0 = min_lo / bk * bk; k0 < max_ctx; k0 += bk) {
         __syncthreads();  // previous tile fully consumed (and Qs written, first time)
         for (int idx = threadIdx.x; idx < bk * hd; idx += blockDim.x) {
             int j = idx / hd, d = idx % hd, t = k0 + j;
@@ -144,10 +154,12 @@ extern "C" __global__ void tandem_attn_prefill(const float* q, float* out, const
             int qr = warp * 4 + r;
             if (qr >= nq) continue;  // uniform per warp
             int n = n_ctx[q0 + qr];
-            if (k0 >= n) continue;
+            int lo = window > 0 ? max(0, n - window) : 0;
+            if (k0 >= n || k0 + bk <= lo) continue;  // no visible position in this chunk
             int t = k0 + lane;
+            bool seen = lane < bk && t < n && t >= lo;
             float s = NEG_INF;
-            if (lane < bk && t < n) {
+            if (seen) {
                 const float* qv = Qs + qr * hp;
                 const float* kr = Ks + lane * hp;
                 float a = 0.0f;
@@ -155,7 +167,7 @@ extern "C" __global__ void tandem_attn_prefill(const float* q, float* out, const
                 s = a * scale;
             }
             float m_new = fmaxf(m[r], warp_max(s));
-            float p = (lane < bk && t < n) ? expf(s - m_new) : 0.0f;
+            float p = seen ? expf(s - m_new) : 0.0f;
             float alpha = expf(m[r] - m_new);
             l[r] = l[r] * alpha + warp_sum(p);
             int cnt = min(bk, n - k0);

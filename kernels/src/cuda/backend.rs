@@ -13,6 +13,7 @@ use crate::api::AttnShape;
 use crate::backend::{Backend, HostMatrix, PagedKvSpec, StepDesc};
 use crate::error::{Result, shape};
 use crate::rope::RopeTable;
+use crate::types::ActFormat;
 
 pub struct CudaBackend {
     dev: CudaDevice,
@@ -46,7 +47,8 @@ impl Backend for CudaBackend {
     type Rope = DeviceRope;
     type Kv = DeviceKv;
     type Step = CudaStep;
-    /// Q8 activation blocks (`quant::BlockQ8` layout) of a product's input.
+    /// A product input's activation blocks: `quant::BlockQ8` bytes, then
+    /// `quant::BlockQ8K` bytes (each format quantized only when a matrix consumes it).
     type Scratch = CudaSlice<u8>;
 
     fn name(&self) -> &'static str {
@@ -85,7 +87,8 @@ impl Backend for CudaBackend {
     }
 
     fn scratch(&self, values: usize) -> Result<CudaSlice<u8>> {
-        self.dev.zeros(launch::q8_bytes(values))
+        self.dev
+            .zeros(launch::q8_bytes(values) + launch::q8k_bytes(values))
     }
 
     fn prepare_step(&self, desc: StepDesc, kv: &DeviceKv) -> Result<CudaStep> {
@@ -128,9 +131,9 @@ impl Backend for CudaBackend {
         )
     }
 
-    /// Quantizes `x` once into `scratch` when any matrix is quantized (the activation
-    /// quantization the CPU backends do inside their products), then one product per
-    /// matrix.
+    /// Quantizes `x` once into `scratch` per activation format the matrices consume (the
+    /// activation quantization the CPU backends do inside their products), then one
+    /// product per matrix.
     fn matmul<const N: usize>(
         &self,
         ws: [&DeviceMatrix; N],
@@ -147,17 +150,28 @@ impl Backend for CudaBackend {
             ));
         }
         let d = &self.dev;
-        if ws.iter().any(|w| w.ty.is_quantized()) {
-            d.quantize_q8(&x.as_view(), n_tok * cols, &mut scratch.as_view_mut())?;
+        let n = n_tok * cols;
+        // BlockQ8 bytes first, BlockQ8K bytes after them.
+        let split = launch::q8_bytes(n);
+        let region = |fmt| match fmt {
+            ActFormat::Q8 => 0..split,
+            ActFormat::Q8K => split..split + launch::q8k_bytes(n),
+        };
+        if scratch.len() < split + launch::q8k_bytes(n) {
+            return Err(shape(
+                "matmul",
+                format!("scratch of {} bytes for {n} values", scratch.len()),
+            ));
+        }
+        for fmt in [ActFormat::Q8, ActFormat::Q8K] {
+            if ws.iter().any(|w| w.ty.act_format() == Some(fmt)) {
+                let mut dst = scratch.slice_mut(region(fmt));
+                d.quantize_act(fmt, &x.as_view(), n, &mut dst)?;
+            }
         }
         for (w, out) in ws.into_iter().zip(outs) {
-            d.matmul(
-                w,
-                &x.as_view(),
-                &scratch.as_view(),
-                n_tok,
-                &mut out.as_view_mut(),
-            )?;
+            let xq = scratch.slice(region(w.ty.act_format().unwrap_or(ActFormat::Q8)));
+            d.matmul(w, &x.as_view(), &xq, n_tok, &mut out.as_view_mut())?;
         }
         Ok(())
     }
@@ -217,6 +231,29 @@ impl Backend for CudaBackend {
             layer,
             &mut out.as_view_mut(),
         )
+    }
+
+    fn rmsnorm_in_place(
+        &self,
+        x: &mut CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        rows: usize,
+    ) -> Result<()> {
+        self.dev
+            .rmsnorm_in_place(&mut x.as_view_mut(), &w.as_view(), eps, rows)
+    }
+
+    fn add_bias(&self, x: &mut CudaSlice<f32>, b: &CudaSlice<f32>, rows: usize) -> Result<()> {
+        self.dev.add_bias(&mut x.as_view_mut(), &b.as_view(), rows)
+    }
+
+    fn scale(&self, x: &mut CudaSlice<f32>, s: f32, n: usize) -> Result<()> {
+        self.dev.scale(&mut x.as_view_mut(), s, n)
+    }
+
+    fn gelu_mul(&self, g: &mut CudaSlice<f32>, u: &CudaSlice<f32>, n: usize) -> Result<()> {
+        self.dev.gelu_mul(&mut g.as_view_mut(), &u.as_view(), n)
     }
 
     fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>, n: usize) -> Result<()> {

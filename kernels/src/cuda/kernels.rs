@@ -11,6 +11,7 @@ use crate::api::{AttnQuery, AttnShape, Kernels, KvView, Matrix, check_attention,
 use crate::error::{Result, shape};
 use crate::reference::{ScalarKernels, check_rmsnorm};
 use crate::rope::RopeTable;
+use crate::types::ActFormat;
 
 pub struct CudaKernels {
     dev: CudaDevice,
@@ -83,11 +84,23 @@ impl Kernels for CudaKernels {
         let _g = self.guard();
         let d = &self.dev;
         let xd = d.upload(x)?;
-        let mut xq = d.zeros::<u8>(launch::q8_bytes(n_tok * cols))?;
-        if ws.iter().any(|w| w.ty.is_quantized()) {
-            d.quantize_q8(&xd.as_view(), n_tok * cols, &mut xq.as_view_mut())?;
+        let n = n_tok * cols;
+        // Each activation format the matrices consume, quantized once; float matrices
+        // read `x` itself (and get a placeholder).
+        let mut xq = Vec::new();
+        for fmt in [ActFormat::Q8, ActFormat::Q8K] {
+            if ws.iter().any(|w| w.ty.act_format() == Some(fmt)) {
+                let mut q = d.zeros::<u8>(launch::act_bytes(fmt, n))?;
+                d.quantize_act(fmt, &xd.as_view(), n, &mut q.as_view_mut())?;
+                xq.push((fmt, q));
+            }
         }
+        let none = d.zeros::<u8>(1)?;
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            let xq = xq
+                .iter()
+                .find(|(f, _)| Some(*f) == w.ty.act_format())
+                .map_or(&none, |(_, q)| q);
             let wd = d.upload_matrix(w)?;
             let mut od = d.zeros::<f32>(out.len())?;
             d.matmul(
@@ -155,6 +168,26 @@ impl Kernels for CudaKernels {
         let d = &self.dev;
         let (mut gd, ud) = (d.upload(gate)?, d.upload(up)?);
         d.silu_mul(&mut gd.as_view_mut(), &ud.as_view(), gate.len())?;
+        gate.copy_from_slice(&d.download(&gd.as_view(), gate.len())?);
+        Ok(())
+    }
+
+    fn rmsnorm_in_place(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<()> {
+        crate::reference::check_rmsnorm_in_place(x, w)?;
+        let _g = self.guard();
+        let d = &self.dev;
+        let (mut xd, wd) = (d.upload(x)?, d.upload(w)?);
+        d.rmsnorm_in_place(&mut xd.as_view_mut(), &wd.as_view(), eps, x.len() / w.len())?;
+        x.copy_from_slice(&d.download(&xd.as_view(), x.len())?);
+        Ok(())
+    }
+
+    fn gelu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
+        crate::reference::check_glu("gelu_mul", gate, up)?;
+        let _g = self.guard();
+        let d = &self.dev;
+        let (mut gd, ud) = (d.upload(gate)?, d.upload(up)?);
+        d.gelu_mul(&mut gd.as_view_mut(), &ud.as_view(), gate.len())?;
         gate.copy_from_slice(&d.download(&gd.as_view(), gate.len())?);
         Ok(())
     }

@@ -85,7 +85,7 @@ pub fn embed(n_tok: usize, dim: usize) -> Result<Launch> {
     )
 }
 
-/// One warp per 32-value block.
+/// One warp per 32-value block (BlockQ8) or 256-value super-block (BlockQ8K).
 pub fn quantize_q8(n_blocks: usize) -> Result<Launch> {
     let warps = (ELEMWISE_THREADS / 32) as usize;
     Launch::new((n_blocks.div_ceil(warps), 1), ELEMWISE_THREADS, 0)
@@ -103,6 +103,11 @@ pub enum MatmulKind {
 }
 
 pub fn matmul(ty: GgmlType, rows: usize, n_tok: usize) -> Result<(MatmulKind, Launch)> {
+    if ty.is_quantized() && crate::cuda::sources::Kernel::for_matmul(ty, false).is_none() {
+        return Err(crate::Error::Cuda(format!(
+            "no CUDA matmul kernel for {ty} weights (the CPU backend multiplies them)"
+        )));
+    }
     let warps = 8usize;
     let kind = if !ty.is_quantized() {
         MatmulKind::Float
@@ -347,6 +352,20 @@ pub fn pack_decode(
 /// Bytes of `n` activation blocks (`quant::BlockQ8`, 40 bytes each).
 pub fn q8_bytes(n_values: usize) -> usize {
     n_values / crate::QK * std::mem::size_of::<crate::BlockQ8>()
+}
+
+/// Bytes of the K-quants' activation blocks for `n` values (`quant::BlockQ8K`, 292 bytes
+/// per 256).
+pub fn q8k_bytes(n_values: usize) -> usize {
+    n_values / crate::QK_K * std::mem::size_of::<crate::BlockQ8K>()
+}
+
+/// Bytes of the activation blocks of `fmt` for `n` values.
+pub fn act_bytes(fmt: crate::ActFormat, n_values: usize) -> usize {
+    match fmt {
+        crate::ActFormat::Q8 => q8_bytes(n_values),
+        crate::ActFormat::Q8K => q8k_bytes(n_values),
+    }
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ use cudarc::nvrtc::result as nvrtc;
 use cudarc::nvrtc::sys as nvrtc_sys;
 
 use crate::error::{Error, Result};
+use crate::types::GgmlType;
 
 /// Prepended to every source file.
 pub const PRELUDE: &str = include_str!("common.cuh");
@@ -67,17 +68,32 @@ pub const SOURCES: [Source; 8] = [
 pub enum Kernel {
     Embed,
     RmsNorm,
+    RmsNormInPlace,
     Rope,
     SiluMul,
+    GeluMul,
+    AddBias,
+    Scale,
     Add,
     GatherRows,
     QuantizeQ8,
+    QuantizeQ8K,
     MmvqQ4_0,
     MmvqQ4_1,
+    MmvqQ5_0,
+    MmvqQ5_1,
     MmvqQ8_0,
+    MmvqQ4K,
+    MmvqQ5K,
+    MmvqQ6K,
     MmqQ4_0,
     MmqQ4_1,
+    MmqQ5_0,
+    MmqQ5_1,
     MmqQ8_0,
+    MmqQ4K,
+    MmqQ5K,
+    MmqQ6K,
     MmvFloat,
     AttnDecode,
     AttnPrefill,
@@ -90,20 +106,35 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 22] = [
+    pub const ALL: [Kernel; 37] = [
         Kernel::Embed,
         Kernel::RmsNorm,
+        Kernel::RmsNormInPlace,
         Kernel::Rope,
         Kernel::SiluMul,
+        Kernel::GeluMul,
+        Kernel::AddBias,
+        Kernel::Scale,
         Kernel::Add,
         Kernel::GatherRows,
         Kernel::QuantizeQ8,
+        Kernel::QuantizeQ8K,
         Kernel::MmvqQ4_0,
         Kernel::MmvqQ4_1,
+        Kernel::MmvqQ5_0,
+        Kernel::MmvqQ5_1,
         Kernel::MmvqQ8_0,
+        Kernel::MmvqQ4K,
+        Kernel::MmvqQ5K,
+        Kernel::MmvqQ6K,
         Kernel::MmqQ4_0,
         Kernel::MmqQ4_1,
+        Kernel::MmqQ5_0,
+        Kernel::MmqQ5_1,
         Kernel::MmqQ8_0,
+        Kernel::MmqQ4K,
+        Kernel::MmqQ5K,
+        Kernel::MmqQ6K,
         Kernel::MmvFloat,
         Kernel::AttnDecode,
         Kernel::AttnPrefill,
@@ -120,17 +151,32 @@ impl Kernel {
         match self {
             Kernel::Embed => "tandem_embed",
             Kernel::RmsNorm => "tandem_rmsnorm",
+            Kernel::RmsNormInPlace => "tandem_rmsnorm_inplace",
             Kernel::Rope => "tandem_rope",
             Kernel::SiluMul => "tandem_silu_mul",
+            Kernel::GeluMul => "tandem_gelu_mul",
+            Kernel::AddBias => "tandem_add_bias",
+            Kernel::Scale => "tandem_scale",
             Kernel::Add => "tandem_add",
             Kernel::GatherRows => "tandem_gather_rows",
             Kernel::QuantizeQ8 => "tandem_quantize_q8",
+            Kernel::QuantizeQ8K => "tandem_quantize_q8k",
             Kernel::MmvqQ4_0 => "tandem_mmvq_q4_0",
             Kernel::MmvqQ4_1 => "tandem_mmvq_q4_1",
+            Kernel::MmvqQ5_0 => "tandem_mmvq_q5_0",
+            Kernel::MmvqQ5_1 => "tandem_mmvq_q5_1",
             Kernel::MmvqQ8_0 => "tandem_mmvq_q8_0",
+            Kernel::MmvqQ4K => "tandem_mmvq_q4_k",
+            Kernel::MmvqQ5K => "tandem_mmvq_q5_k",
+            Kernel::MmvqQ6K => "tandem_mmvq_q6_k",
             Kernel::MmqQ4_0 => "tandem_mmq_q4_0",
             Kernel::MmqQ4_1 => "tandem_mmq_q4_1",
+            Kernel::MmqQ5_0 => "tandem_mmq_q5_0",
+            Kernel::MmqQ5_1 => "tandem_mmq_q5_1",
             Kernel::MmqQ8_0 => "tandem_mmq_q8_0",
+            Kernel::MmqQ4K => "tandem_mmq_q4_k",
+            Kernel::MmqQ5K => "tandem_mmq_q5_k",
+            Kernel::MmqQ6K => "tandem_mmq_q6_k",
             Kernel::MmvFloat => "tandem_mmv_float",
             Kernel::AttnDecode => "tandem_attn_decode",
             Kernel::AttnPrefill => "tandem_attn_prefill",
@@ -147,22 +193,46 @@ impl Kernel {
     pub fn file(self) -> &'static str {
         match self {
             Kernel::Embed => "embed.cu",
-            Kernel::RmsNorm => "norm.cu",
+            Kernel::RmsNorm | Kernel::RmsNormInPlace => "norm.cu",
             Kernel::Rope => "rope.cu",
-            Kernel::SiluMul | Kernel::Add | Kernel::GatherRows | Kernel::QuantizeQ8 => {
-                "elementwise.cu"
-            }
-            Kernel::MmvqQ4_0
-            | Kernel::MmvqQ4_1
-            | Kernel::MmvqQ8_0
-            | Kernel::MmqQ4_0
-            | Kernel::MmqQ4_1
-            | Kernel::MmqQ8_0
-            | Kernel::MmvFloat => "matmul.cu",
+            Kernel::SiluMul
+            | Kernel::GeluMul
+            | Kernel::AddBias
+            | Kernel::Scale
+            | Kernel::Add
+            | Kernel::GatherRows
+            | Kernel::QuantizeQ8
+            | Kernel::QuantizeQ8K => "elementwise.cu",
             Kernel::AttnDecode | Kernel::AttnPrefill => "attention.cu",
             Kernel::Argmax | Kernel::TopK | Kernel::Sample => "sampling.cu",
             Kernel::KvStore | Kernel::KvGather | Kernel::KvScatter => "kv.cu",
+            // MmvFloat and the quantized products of [`Kernel::MATMUL`] (the NVRTC test
+            // finds each in this file's PTX).
+            _ => "matmul.cu",
         }
+    }
+
+    /// The quantized matrix kernels of each weight type: (type, few tokens, many tokens).
+    /// Adding a type to the CUDA backend is one row here, its two variants above, and
+    /// its `load_wblock` / `load_ksub` case and entries in `matmul.cu`.
+    pub const MATMUL: [(GgmlType, Kernel, Kernel); 8] = [
+        (GgmlType::Q4_0, Kernel::MmvqQ4_0, Kernel::MmqQ4_0),
+        (GgmlType::Q4_1, Kernel::MmvqQ4_1, Kernel::MmqQ4_1),
+        (GgmlType::Q5_0, Kernel::MmvqQ5_0, Kernel::MmqQ5_0),
+        (GgmlType::Q5_1, Kernel::MmvqQ5_1, Kernel::MmqQ5_1),
+        (GgmlType::Q8_0, Kernel::MmvqQ8_0, Kernel::MmqQ8_0),
+        (GgmlType::Q4_K, Kernel::MmvqQ4K, Kernel::MmqQ4K),
+        (GgmlType::Q5_K, Kernel::MmvqQ5K, Kernel::MmqQ5K),
+        (GgmlType::Q6_K, Kernel::MmvqQ6K, Kernel::MmqQ6K),
+    ];
+
+    /// The kernel multiplying quantized `ty` weights: the warp-per-row one (`tiled` false)
+    /// or the shared-memory tile; `None` for a type without CUDA kernels.
+    pub fn for_matmul(ty: GgmlType, tiled: bool) -> Option<Kernel> {
+        Kernel::MATMUL
+            .iter()
+            .find(|(t, _, _)| *t == ty)
+            .map(|&(_, v, t)| if tiled { t } else { v })
     }
 
     /// Position in [`Kernel::ALL`] (the index of its loaded function).

@@ -29,7 +29,7 @@ pub use graphs::{GRAPH_BUCKETS, GRAPH_MAX_BATCH, GraphStats, graph_bucket};
 pub use options::CudaOptions;
 pub use sampling::SamplingStats;
 
-use super::config::LlamaConfig;
+use super::config::ModelConfig;
 use super::loaded::{LoadedModel, RunnerConfig, split_logits};
 use crate::engine_api::{
     KvUsage, ModelInfo, ModelRunner, Sampled, SeqId, StepInput, check_samplers, sample_on_host,
@@ -102,7 +102,7 @@ impl CudaModelRunner {
         &self.model
     }
 
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &ModelConfig {
         self.model.config()
     }
 

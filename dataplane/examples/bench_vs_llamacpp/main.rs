@@ -31,18 +31,22 @@
 //! Each figure is the median over the repetitions of one run's figure (a run's median for
 //! TTFT), with the range over repetitions.
 
-use std::fmt::Write as _;
+mod http;
+mod report;
+
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use serde_json::{Value, json};
+use serde_json::json;
 use tandem_dataplane::parent::PARENT_PID_ENV;
+
+use http::{Reply, get_status, stream_chat};
+use report::{Results, cpu_summary, llama_system_info, loadavg, median, table, version_of};
 
 #[derive(Parser, Debug)]
 #[command(about = "Tandem vs llama-server, interleaved, same model/prompts/threads")]
@@ -71,6 +75,11 @@ struct Opts {
     /// Where the servers' logs go.
     #[arg(long, default_value = "target/bench-vs-llamacpp")]
     log_dir: PathBuf,
+    /// The SVG of tok/s against concurrency (default
+    /// `docs/bench-vs-llamacpp-<model file stem>.svg`; written when two or more
+    /// concurrency levels ran).
+    #[arg(long)]
+    svg: Option<PathBuf>,
 }
 
 /// Slots / batch size of both servers.
@@ -226,6 +235,20 @@ fn start(kind: Kind, o: &Opts, seq: usize) -> Result<Server> {
 }
 
 impl Server {
+    /// Peak resident set so far (VmHWM of /proc/PID/status), in MB.
+    fn peak_rss_mb(&self) -> Option<f64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        let kb: f64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kb * 1024.0 / 1e6)
+    }
+
     fn request(&mut self, body: &str) -> Result<Reply> {
         stream_chat(self.addr, body).with_context(|| {
             format!(
@@ -233,180 +256,6 @@ impl Server {
                 self.kind.name(),
                 self.log.display()
             )
-        })
-    }
-}
-
-// ----------------------------------------------------------------------------------------
-// HTTP/1.1 and SSE, by hand: the timing of the first event is the figure we want.
-
-fn get_status(addr: SocketAddr, path: &str) -> Option<u16> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line).ok()?;
-    line.split_whitespace().nth(1)?.parse().ok()
-}
-
-/// A `Transfer-Encoding: chunked` body as a plain byte stream.
-struct Chunked<R> {
-    inner: R,
-    left: usize,
-    done: bool,
-}
-
-impl<R: BufRead> Read for Chunked<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.done {
-            return Ok(0);
-        }
-        if self.left == 0 {
-            let mut line = String::new();
-            if self.inner.read_line(&mut line)? == 0 {
-                return Err(io::ErrorKind::UnexpectedEof.into());
-            }
-            let size = line.trim().split(';').next().unwrap_or("");
-            let size = usize::from_str_radix(size, 16).map_err(|_| {
-                io::Error::new(io::ErrorKind::InvalidData, format!("chunk size {line:?}"))
-            })?;
-            if size == 0 {
-                self.done = true;
-                return Ok(0);
-            }
-            self.left = size;
-        }
-        let want = buf.len().min(self.left);
-        let n = self.inner.read(&mut buf[..want])?;
-        if n == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        self.left -= n;
-        if self.left == 0 {
-            let mut crlf = String::new();
-            self.inner.read_line(&mut crlf)?;
-        }
-        Ok(n)
-    }
-}
-
-#[derive(Debug, Clone)]
-struct Reply {
-    ttft: Duration,
-    completion_tokens: u64,
-    prompt_tokens: u64,
-}
-
-fn stream_chat(addr: SocketAddr, body: &str) -> Result<Reply> {
-    let t0 = Instant::now();
-    let mut s = TcpStream::connect(addr)?;
-    s.set_nodelay(true)?;
-    s.set_read_timeout(Some(Duration::from_secs(300)))?;
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nAccept: text/event-stream\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line)?;
-    let status: u16 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .with_context(|| format!("bad status line {line:?}"))?;
-    let mut chunked = false;
-    loop {
-        line.clear();
-        if r.read_line(&mut line)? == 0 || line.trim().is_empty() {
-            break;
-        }
-        let l = line.to_ascii_lowercase();
-        if l.starts_with("transfer-encoding:") && l.contains("chunked") {
-            chunked = true;
-        }
-    }
-    let body_reader: Box<dyn BufRead> = if chunked {
-        Box::new(BufReader::new(Chunked {
-            inner: r,
-            left: 0,
-            done: false,
-        }))
-    } else {
-        Box::new(r)
-    };
-    if status != 200 {
-        let mut text = String::new();
-        let _ = { body_reader }.read_to_string(&mut text);
-        bail!("HTTP {status}: {}", text.trim());
-    }
-    let mut tally = SseTally::default();
-    for l in body_reader.lines() {
-        if tally.line(&l?, t0.elapsed())? {
-            break;
-        }
-    }
-    tally.finish()
-}
-
-/// What the events of one streamed chat completion told us, fed line by line (pure, so the
-/// timing rules are unit-tested). Both servers send `data: {json}` lines, a role-only first
-/// delta (empty or absent `content`), one delta per token or piece of text, `usage` in a
-/// final chunk (`stream_options.include_usage`; Tandem also puts it in the finishing
-/// chunk), and `data: [DONE]`.
-#[derive(Debug, Default)]
-struct SseTally {
-    ttft: Option<Duration>,
-    usage: Option<Value>,
-}
-
-impl SseTally {
-    /// One line of the event stream, `now` = time since the request was sent. Returns
-    /// true at `[DONE]`.
-    fn line(&mut self, line: &str, now: Duration) -> Result<bool> {
-        // Blank separators, comments (`: ping`), `event:` / `id:` fields carry no data.
-        let Some(data) = line.strip_prefix("data:") else {
-            return Ok(false);
-        };
-        let data = data.trim();
-        if data == "[DONE]" {
-            return Ok(true);
-        }
-        let v: Value =
-            serde_json::from_str(data).with_context(|| format!("SSE data is not JSON: {data}"))?;
-        if let Some(e) = v.get("error") {
-            bail!("error event: {e}");
-        }
-        let content = v["choices"][0]["delta"]["content"].as_str().unwrap_or("");
-        if !content.is_empty() {
-            self.ttft.get_or_insert(now);
-        }
-        if v["usage"].is_object() {
-            self.usage = Some(v["usage"].clone());
-        }
-        Ok(false)
-    }
-
-    fn finish(self) -> Result<Reply> {
-        let ttft = self.ttft.context("the stream ended without any content")?;
-        let usage = self
-            .usage
-            .context("the stream carried no usage (stream_options.include_usage)")?;
-        let count = |k: &str| {
-            usage[k]
-                .as_u64()
-                .with_context(|| format!("usage without an integer {k}: {usage}"))
-        };
-        Ok(Reply {
-            ttft,
-            completion_tokens: count("completion_tokens")?,
-            prompt_tokens: count("prompt_tokens")?,
         })
     }
 }
@@ -507,6 +356,8 @@ struct Run {
     cold_ttft_ms: Option<f64>,
     tokens_per_req: f64,
     prompt_tokens: f64,
+    /// The server's peak resident set (VmHWM) at the end of the run, in MB.
+    peak_rss_mb: f64,
 }
 
 /// `requests[i]` is the list of bodies client `i` sends back to back; all clients start
@@ -536,19 +387,6 @@ fn clients(s: &Server, requests: Vec<Vec<String>>) -> Result<(Vec<Reply>, Durati
     Ok((out, t0.elapsed()))
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 fn summarise(replies: &[Reply], wall: Duration) -> Run {
     let tokens: u64 = replies.iter().map(|r| r.completion_tokens).sum();
     let mut ttfts: Vec<f64> = replies.iter().map(|r| r.ttft.as_secs_f64() * 1e3).collect();
@@ -559,6 +397,7 @@ fn summarise(replies: &[Reply], wall: Duration) -> Run {
         cold_ttft_ms: None,
         tokens_per_req: tokens as f64 / n,
         prompt_tokens: replies.iter().map(|r| r.prompt_tokens).sum::<u64>() as f64 / n,
+        peak_rss_mb: f64::NAN,
     }
 }
 
@@ -619,180 +458,83 @@ fn run_workload(s: &mut Server, w: Workload, rep: usize, o: &Opts) -> Result<Run
     }
 }
 
-// ----------------------------------------------------------------------------------------
-// Machine, versions, report
-
-/// The CPU's model, the flags that decide which kernels run (SIMD, VNNI, AMX), and the
-/// whole flags line, from /proc/cpuinfo.
-fn cpu_summary() -> (String, String, String) {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let field = |k: &str| {
-        info.lines()
-            .find(|l| l.starts_with(k))
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| v.trim().to_owned())
-            .unwrap_or_default()
-    };
-    let flags = field("flags");
-    let wanted: Vec<&str> = flags
-        .split_whitespace()
-        .filter(|f| {
-            matches!(*f, "avx" | "avx2" | "fma" | "f16c" | "avx_vnni")
-                || f.starts_with("avx512")
-                || f.starts_with("amx")
-                || f.contains("vnni")
-        })
-        .collect();
-    let cpus = info.lines().filter(|l| l.starts_with("processor")).count();
-    let model = format!("{} ({cpus} logical CPUs)", field("model name"));
-    let simd = if wanted.is_empty() {
-        "(none of avx/avx2/fma/f16c/avx512*/vnni/amx)".to_owned()
-    } else {
-        wanted.join(" ")
-    };
-    (model, simd, flags)
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
-}
-
-fn version_of(bin: &Path) -> String {
-    match Command::new(bin).arg("--version").output() {
-        Ok(o) => {
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            );
-            text.lines()
-                .filter(|l| l.contains("version") || l.starts_with("tandem"))
-                .collect::<Vec<_>>()
-                .join("; ")
-        }
-        Err(e) => format!("? ({e})"),
-    }
-}
-
-/// llama-server's `system_info` line (the instruction sets its CPU backend uses).
-fn llama_system_info(log: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(log).ok()?;
-    let line = text.lines().find(|l| l.contains("system_info"))?;
-    Some(line.split_once("system_info:")?.1.trim().to_owned())
-}
-
-fn range(v: &[f64]) -> (f64, f64, f64) {
-    let mut s = v.to_vec();
-    let m = median(&mut s);
-    (m, s[0], s[s.len() - 1])
-}
-
-fn cell(v: &[f64], digits: usize) -> String {
-    let (m, lo, hi) = range(v);
-    if v.len() == 1 {
-        format!("{m:.digits$}")
-    } else {
-        format!("{m:.digits$} ({lo:.digits$}–{hi:.digits$})")
-    }
-}
-
-type Results = Vec<(Workload, Kind, Run)>;
-
-fn table(res: &Results, workloads: &[Workload]) -> String {
-    let pick = |w: Workload, k: Kind, f: &dyn Fn(&Run) -> Option<f64>| -> Vec<f64> {
-        res.iter()
-            .filter(|(rw, rk, _)| *rw == w && *rk == k)
-            .filter_map(|(_, _, r)| f(r))
-            .collect()
-    };
-    let mut t = String::new();
-    let _ = writeln!(
-        t,
-        "| workload | metric | Tandem | llama-server | Tandem vs llama-server |"
+/// Bytes of the KV pool both servers hold: SLOTS × CTX_PER_SLOT tokens of F16 K and V
+/// for every layer (from the GGUF's metadata), or `None` if it names no such dimensions.
+fn kv_pool_bytes(model: &std::path::Path) -> Option<u64> {
+    let g = tandem_dataplane::gguf::Gguf::open(model).ok()?;
+    let arch = g.get_str("general.architecture").ok()?.to_string();
+    let key = |k: &str| g.get_usize(&format!("{arch}.{k}")).ok();
+    let (layers, heads, kv_heads, dim) = (
+        key("block_count")?,
+        key("attention.head_count")?,
+        key("attention.head_count_kv")?,
+        key("embedding_length")?,
     );
-    let _ = writeln!(t, "|---|---|---|---|---|");
-    type Metric<'a> = (&'a str, usize, bool, Box<dyn Fn(&Run) -> Option<f64>>);
-    for &w in workloads {
-        let metrics: Vec<Metric> = match w {
-            Workload::Gen(_) => vec![
-                ("output tok/s", 1, true, Box::new(|r: &Run| Some(r.tok_s))),
-                (
-                    "TTFT ms (median)",
-                    1,
-                    false,
-                    Box::new(|r: &Run| Some(r.ttft_ms)),
-                ),
-                (
-                    "tokens / request",
-                    1,
-                    true,
-                    Box::new(|r: &Run| Some(r.tokens_per_req)),
-                ),
-                (
-                    "prompt tokens",
-                    0,
-                    true,
-                    Box::new(|r: &Run| Some(r.prompt_tokens)),
-                ),
-            ],
-            Workload::Prefix(1) => vec![
-                (
-                    "TTFT ms, first request",
-                    1,
-                    false,
-                    Box::new(|r: &Run| r.cold_ttft_ms),
-                ),
-                (
-                    "TTFT ms, next 8 (median)",
-                    1,
-                    false,
-                    Box::new(|r: &Run| Some(r.ttft_ms)),
-                ),
-                (
-                    "prompt tokens",
-                    0,
-                    true,
-                    Box::new(|r: &Run| Some(r.prompt_tokens)),
-                ),
-            ],
-            Workload::Prefix(_) => vec![(
-                "TTFT ms, 2 waves (median)",
-                1,
-                false,
-                Box::new(|r: &Run| Some(r.ttft_ms)),
-            )],
-        };
-        for (name, digits, higher_better, f) in metrics {
-            let a = pick(w, Kind::Tandem, &*f);
-            let b = pick(w, Kind::Llama, &*f);
-            if a.is_empty() || b.is_empty() {
-                continue;
-            }
-            let (ma, mb) = (range(&a).0, range(&b).0);
-            let ratio = if name.starts_with("tokens") || name.starts_with("prompt") {
-                String::new()
-            } else {
-                // r > 1: Tandem is better by r× (more tok/s, or lower TTFT).
-                let r = if higher_better { ma / mb } else { mb / ma };
-                match (higher_better, r >= 1.0) {
-                    (true, true) => format!("{r:.2}× faster"),
-                    (true, false) => format!("{:.2}× slower", 1.0 / r),
-                    (false, true) => format!("{r:.2}× lower"),
-                    (false, false) => format!("{:.2}× higher", 1.0 / r),
-                }
-            };
-            let _ = writeln!(
-                t,
-                "| {} | {name} | {} | {} | {ratio} |",
-                w.label(),
-                cell(&a, digits),
-                cell(&b, digits)
+    let head_dim = key("attention.key_length").unwrap_or(dim / heads.max(1));
+    let per_token = layers * 2 * kv_heads * head_dim * 2;
+    Some((SLOTS * CTX_PER_SLOT * per_token) as u64)
+}
+
+/// The issue's targets against this run's medians: C=1 ≥ 1.2× and C=32 ≥ 3× llama-server's
+/// tok/s, TTFT at C=1 no higher than llama-server's, peak RSS ≤ file + KV pool + 15 %.
+fn targets(res: &Results, model: &std::path::Path) -> String {
+    let med = |w: Workload, k: Kind, f: fn(&Run) -> f64| {
+        let mut v: Vec<f64> = res
+            .iter()
+            .filter(|(rw, rk, _)| *rw == w && *rk == k)
+            .map(|(_, _, r)| f(r))
+            .collect();
+        (!v.is_empty()).then(|| median(&mut v))
+    };
+    let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
+    let mut out = String::from("Targets (medians of this run):\n");
+    for (c, want) in [(1usize, 1.2), (32, 3.0)] {
+        let w = Workload::Gen(c);
+        if let (Some(a), Some(b)) = (
+            med(w, Kind::Tandem, |r| r.tok_s),
+            med(w, Kind::Llama, |r| r.tok_s),
+        ) {
+            out += &format!(
+                "- C={c} tok/s: Tandem {a:.1} vs llama-server {b:.1} = {:.2}x (target >= {want}x): {}\n",
+                a / b,
+                verdict(a / b >= want)
             );
         }
     }
-    t
+    let w = Workload::Gen(1);
+    if let (Some(a), Some(b)) = (
+        med(w, Kind::Tandem, |r| r.ttft_ms),
+        med(w, Kind::Llama, |r| r.ttft_ms),
+    ) {
+        out += &format!(
+            "- TTFT at C=1: Tandem {a:.1} ms vs llama-server {b:.1} ms (target <=): {}\n",
+            verdict(a <= b)
+        );
+    }
+    let file = std::fs::metadata(model)
+        .map(|m| m.len() as f64 / 1e6)
+        .unwrap_or(f64::NAN);
+    match kv_pool_bytes(model) {
+        Some(kv) => {
+            let kv = kv as f64 / 1e6;
+            let budget = (file + kv) * 1.15;
+            for k in [Kind::Tandem, Kind::Llama] {
+                let peak = res
+                    .iter()
+                    .filter(|(_, rk, _)| *rk == k)
+                    .map(|(_, _, r)| r.peak_rss_mb)
+                    .fold(f64::NAN, f64::max);
+                out += &format!(
+                    "- peak RSS, {} (largest of all runs): {peak:.0} MB; file {file:.0} MB + KV pool {kv:.0} MB ({} tokens of F16 K and V) + 15 % = {budget:.0} MB: {}\n",
+                    k.name(),
+                    SLOTS * CTX_PER_SLOT,
+                    verdict(peak <= budget)
+                );
+            }
+        }
+        None => out += "- peak RSS: the GGUF names no KV dimensions; no budget computed\n",
+    }
+    out
 }
 
 fn main() -> Result<()> {
@@ -849,14 +591,15 @@ fn main() -> Result<()> {
             for kind in order {
                 seq += 1;
                 let mut s = start(kind, &o, seq)?;
-                let r = run_workload(&mut s, w, rep, &o)
+                let mut r = run_workload(&mut s, w, rep, &o)
                     .with_context(|| format!("{} on {}", w.label(), kind.name()))?;
+                r.peak_rss_mb = s.peak_rss_mb().unwrap_or(f64::NAN);
                 if kind == Kind::Llama && system_info.is_none() {
                     system_info = llama_system_info(&s.log);
                 }
                 drop(s);
                 println!(
-                    "rep {} {:12} {:13} {:7.1} tok/s  TTFT {:7.1} ms{}  {:5.1} tok/req  prompt {:4.0}  (load {})",
+                    "rep {} {:12} {:13} {:7.1} tok/s  TTFT {:7.1} ms{}  {:5.1} tok/req  prompt {:4.0}  RSS {:6.0} MB  (load {})",
                     rep + 1,
                     w.label(),
                     kind.name(),
@@ -867,6 +610,7 @@ fn main() -> Result<()> {
                         .unwrap_or_default(),
                     r.tokens_per_req,
                     r.prompt_tokens,
+                    r.peak_rss_mb,
                     loadavg()
                 );
                 results.push((w, kind, r));
@@ -885,116 +629,36 @@ fn main() -> Result<()> {
     println!();
     print!("{}", table(&results, &workloads));
     println!();
+    print!("{}", targets(&results, &o.model));
+    let svg_path = o.svg.clone().unwrap_or_else(|| {
+        let stem = o
+            .model
+            .file_stem()
+            .map_or("model".into(), |s| s.to_string_lossy());
+        PathBuf::from(format!("docs/bench-vs-llamacpp-{stem}.svg"))
+    });
+    let model_name = o
+        .model
+        .file_name()
+        .map_or("?".into(), |s| s.to_string_lossy());
+    let subtitle = format!(
+        "{cpu}, {} threads each, {} reps; load {load_before} before, {} after",
+        o.threads,
+        o.reps,
+        loadavg()
+    );
+    if let Some(svg) = report::svg(
+        &results,
+        &format!("{model_name}: Tandem vs llama-server"),
+        &subtitle,
+    ) {
+        std::fs::write(&svg_path, svg)
+            .with_context(|| format!("writing {}", svg_path.display()))?;
+        println!("wrote {}", svg_path.display());
+    }
+    println!();
     println!("CPU: {cpu}; SIMD flags: {simd}");
     println!("load average before: {load_before}, after: {}", loadavg());
     println!("took {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn ms(n: u64) -> Duration {
-        Duration::from_millis(n)
-    }
-
-    /// Feeds `lines` with line i at i×10 ms; returns the tally's reply.
-    fn tally(lines: &[&str]) -> Result<Reply> {
-        let mut t = SseTally::default();
-        for (i, l) in lines.iter().enumerate() {
-            if t.line(l, ms(10 * i as u64))? {
-                break;
-            }
-        }
-        t.finish()
-    }
-
-    #[test]
-    fn tandem_stream_ttft_is_the_first_nonempty_content() {
-        let r = tally(&[
-            r#"data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
-            "",
-            r#"data: {"choices":[{"index":0,"delta":{"content":"Once"},"finish_reason":null}]}"#,
-            "",
-            r#"data: {"choices":[{"index":0,"delta":{"content":" upon"},"finish_reason":null}]}"#,
-            r#"data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}],"usage":{"prompt_tokens":31,"completion_tokens":2,"total_tokens":33}}"#,
-            r#"data: {"choices":[],"usage":{"prompt_tokens":31,"completion_tokens":2,"total_tokens":33}}"#,
-            "data: [DONE]",
-        ])
-        .unwrap();
-        assert_eq!(r.ttft, ms(20));
-        assert_eq!((r.prompt_tokens, r.completion_tokens), (31, 2));
-    }
-
-    #[test]
-    fn llama_stream_with_null_content_and_comments() {
-        let r = tally(&[
-            ": keep-alive",
-            r#"data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}"#,
-            "event: message",
-            r#"data:{"choices":[{"index":0,"delta":{"content":"Hi"}}]}"#,
-            r#"data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}"#,
-            r#"data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":128}}"#,
-            "data: [DONE]",
-            // Nothing after [DONE] counts.
-            r#"data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}"#,
-        ])
-        .unwrap();
-        assert_eq!(r.ttft, ms(30));
-        assert_eq!((r.prompt_tokens, r.completion_tokens), (7, 128));
-    }
-
-    #[test]
-    fn failures_are_named() {
-        let err = |lines: &[&str]| format!("{:#}", tally(lines).unwrap_err());
-        let e = err(&[r#"data: {"error":{"message":"queue full","code":503}}"#]);
-        assert!(e.contains("error event") && e.contains("queue full"), "{e}");
-        let e = err(&["data: {not json"]);
-        assert!(e.contains("not JSON"), "{e}");
-        let e = err(&[r#"data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":0}}"#]);
-        assert!(e.contains("without any content"), "{e}");
-        let e = err(&[
-            r#"data: {"choices":[{"delta":{"content":"x"}}]}"#,
-            "data: [DONE]",
-        ]);
-        assert!(e.contains("no usage"), "{e}");
-        let e = err(&[
-            r#"data: {"choices":[{"delta":{"content":"x"}}]}"#,
-            r#"data: {"choices":[],"usage":{"prompt_tokens":3}}"#,
-        ]);
-        assert!(e.contains("completion_tokens"), "{e}");
-    }
-
-    fn dechunk(wire: &[u8]) -> io::Result<String> {
-        let mut out = String::new();
-        Chunked {
-            inner: io::Cursor::new(wire),
-            left: 0,
-            done: false,
-        }
-        .read_to_string(&mut out)?;
-        Ok(out)
-    }
-
-    #[test]
-    fn chunked_bodies_decode_and_bad_ones_fail() {
-        let wire = b"5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\n\r\n";
-        assert_eq!(dechunk(wire).unwrap(), "hello world");
-        let e = dechunk(b"zz\r\nhello\r\n").unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
-        let e = dechunk(b"a\r\nhel").unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
-        let e = dechunk(b"3\r\nabc\r\n").unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
-    }
-
-    #[test]
-    fn median_and_cells() {
-        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert!(median(&mut []).is_nan());
-        assert_eq!(cell(&[7.0], 1), "7.0");
-        assert_eq!(cell(&[3.0, 1.0, 2.0], 0), "2 (1–3)");
-    }
 }
