@@ -4,9 +4,9 @@ mod api_error;
 mod completions;
 mod conn;
 mod fields;
-mod messages;
 #[cfg(test)]
 mod limits_tests;
+mod messages;
 mod output;
 mod params;
 mod ready;

@@ -43,7 +43,7 @@ pub async fn chat(state: Arc<AppState>, body: Bytes) -> R<http::Response<Body>> 
     let o = params::parse_object(&body)?;
     fields::check(&o, Endpoint::Chat)?;
     params::check_model(&o, &state.model_name)?;
-    let messages = params::messages(&o)?;
+    let messages = super::messages::parse(&o)?;
     let mut common = params::common(
         &o,
         &["max_tokens", "max_completion_tokens"],

@@ -3,7 +3,6 @@
 use serde_json::{Map, Value};
 
 use super::api_error::ApiError;
-use crate::chat::ChatMessage;
 use crate::sampling::{SamplingParams, limits};
 
 pub type Obj = Map<String, Value>;
@@ -207,11 +206,6 @@ pub fn common(o: &Obj, max_tokens_keys: &[&str], vocab_size: usize) -> R<Common>
         min_tokens: opt_int(o, "min_tokens", 0)?.unwrap_or(0) as usize,
         stop_token_ids: stop_token_ids(o, vocab_size)?,
     })
-}
-
-/// `messages`, validated as OpenAI does (`super::messages`).
-pub fn messages(o: &Obj) -> R<Vec<ChatMessage>> {
-    super::messages::parse(o)
 }
 
 /// Completions prompt: a string, a one-element array of strings, or an array of token ids.
