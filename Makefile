@@ -11,7 +11,7 @@ export HELM := $(CURDIR)/.cache/bin/helm
 # The chart's values and manifests/examples use the same (scripts/chart.sh checks it).
 export IMAGE_REGISTRY ?= ghcr.io/tandem
 
-.PHONY: test lint module-cycles unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check gpu-test \
+.PHONY: test lint module-cycles unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check cuda-sim gpu-test \
 	kernel-fixtures kernel-fixtures-check \
 	bench bench-pd bench-local bench-vs-llamacpp bench-prefix llama-server llama-reference faults helm manifests chart-check static images image-check e2e e2e-deps
 
@@ -19,7 +19,7 @@ export IMAGE_REGISTRY ?= ghcr.io/tandem
 ## the Helm chart and manifests, the images (built without a daemon), the end-to-end suite
 ## on a real cluster). e2e-deps comes first: the Go build of the Kubernetes components
 ## peaks at ~5 GB of caches, removed before the Rust builds fill target/.
-test: e2e-deps lint crd-check pyenv kernel-fixtures-check model unit validate-crd chart-check image-check cuda-check e2e
+test: e2e-deps lint crd-check pyenv kernel-fixtures-check model unit validate-crd chart-check image-check cuda-check cuda-sim e2e
 
 # Without rustfmt or clippy (a toolchain lacking the component) the rest of `make test`
 # still runs, and one line says what was skipped. The e2e scenarios are not a `cargo test`
@@ -73,15 +73,49 @@ e2e: e2e-deps model
 
 ## cuda-check: the CUDA backend without a GPU — every .cu compiles with NVRTC for sm_80 and
 ## sm_90 with every kernel name present, host-side logic tests, clippy with the GPU tests
-## compiled in (the generic forward pass instantiated for CudaBackend included)
+## and the CPU executor compiled in (the generic forward pass instantiated for CudaBackend
+## included). `cuda-sim` below runs the GPU tests.
 cuda-check: pyenv
 	LD_LIBRARY_PATH="$(NVRTC_LIB)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" \
 	  cargo test -p tandem-kernels --features cuda
 	@if $(HAVE_CLIPPY); then \
-	  cargo clippy -p tandem-kernels -p tandem-dataplane --features tandem-dataplane/gpu-tests \
-	  --all-targets -- -D warnings; \
+	  cargo clippy -p tandem-kernels -p tandem-dataplane \
+	  --features tandem-dataplane/gpu-tests,tandem-dataplane/cuda-sim --all-targets -- -D warnings; \
 	  else echo "cuda-check: skipped clippy of the GPU tests (clippy is not installed)"; fi
 	cargo test -p tandem-dataplane --features cuda --lib model::cuda
+
+## cuda-sim: the CUDA path without a GPU, on the CPU executor of kernels/cuda-sim (the real
+## .cu kernels and the real driver calls on the CPU; kernels/cuda-sim/README.md says what
+## it proves and what still needs a GPU): its own tests; every kernel against the scalar
+## reference and every CudaBackend operation against CpuBackend, with the race / bounds /
+## uninitialized-read detectors, in forward, reverse and random thread order (then a check
+## that every kernel ran under the detectors); the model on CUDA (greedy vs CPU, graphs on
+## and off, device sampling, KV transfer both ways, prefix cache); a PD pair whose decode
+## runs on CUDA. Prints how long each part took (builds included) and the total.
+CUDA_SIM_SEED ?= 20251201
+CUDA_SIM_PROFILE = $(CURDIR)/target/cuda-sim-profile.txt
+cuda-sim: pyenv model
+	@set -e; export LD_LIBRARY_PATH="$(NVRTC_LIB)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" TANDEM_CUDA_SIM=1; \
+	start=$$(date +%s); t=$$start; lap() { now=$$(date +%s); echo "cuda-sim: $$1: $$((now - t)) s"; t=$$now; }; \
+	cargo test -p tandem-kernels --features cuda-sim,gpu-tests --no-run; \
+	cargo test -p tandem-dataplane --features gpu-tests,cuda-sim --lib --test pd_cuda --no-run; lap "build"; \
+	cargo test -p tandem-kernels --features cuda-sim,gpu-tests --lib cuda::sim; lap "executor self-tests"; \
+	rm -f $(CUDA_SIM_PROFILE); \
+	for order in forward reverse random:$(CUDA_SIM_SEED); do \
+	  TANDEM_CUDA_SIM_CHECKS=1 TANDEM_CUDA_SIM_ORDER=$$order TANDEM_CUDA_SIM_PROFILE=$(CUDA_SIM_PROFILE) \
+	    cargo test -p tandem-kernels --features cuda-sim,gpu-tests --test cuda_kernels --test backend_equivalence; \
+	  lap "kernels and backend, checked, $$order order"; \
+	done; \
+	missing=$$(grep -o '=> "tandem_[a-z0-9_]*"' kernels/src/cuda/sources.rs | cut -d' ' -f2 | tr -d '"' | sort -u | while read k; do \
+	  awk -v k=$$k '$$1 == k && $$3 > 0 { ok = 1 } END { if (!ok) print k }' $(CUDA_SIM_PROFILE); done); \
+	if [ -n "$$missing" ]; then echo "cuda-sim: kernels that never ran under the detectors: $$missing" >&2; exit 1; fi; \
+	echo "cuda-sim: all $$(grep -o '=> "tandem_[a-z0-9_]*"' kernels/src/cuda/sources.rs | cut -d' ' -f2 | sort -u | wc -l) kernels ran under the race, bounds and uninitialized-read detectors"; \
+	cargo test -p tandem-dataplane --features gpu-tests,cuda-sim --lib model::cuda::gpu_tests -- --nocapture; \
+	lap "the model on CUDA"; \
+	cargo test -p tandem-dataplane --features gpu-tests,cuda-sim --test pd_cuda -- --nocapture; \
+	lap "a PD pair with its decode on CUDA"; \
+	echo "cuda-sim: not run here: gpu_throughput (the executor measures no speed; tests/gpu/run.sh does)"; \
+	echo "cuda-sim: the CUDA suite on the CPU executor took $$(( $$(date +%s) - start )) s"
 
 ## gpu-test: on a machine with an NVIDIA GPU: every kernel vs the CPU reference, greedy
 ## SmolLM2 GPU == CPU, throughput

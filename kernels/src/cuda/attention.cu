@@ -45,7 +45,7 @@ extern "C" __global__ void tandem_attn_decode(const float* q, float* out, const 
                                               int head_bytes, int bt, int n_heads,
                                               int n_kv_heads, int hd, float scale,
                                               int window) {
-    extern __shared__ float att_smem[];
+    TANDEM_DYNAMIC_SMEM(float, att_smem);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int h = blockIdx.x * 4 + warp;
     if (h >= n_heads) return;  // no block-wide barrier below: only __syncwarp
@@ -105,7 +105,7 @@ extern "C" __global__ void tandem_attn_prefill(const float* q, float* out, const
                                                int row_bytes, int head_bytes, int bt,
                                                int n_heads, int n_kv_heads, int hd, float scale,
                                                int bk, int window) {
-    extern __shared__ float att_smem[];
+    TANDEM_DYNAMIC_SMEM(float, att_smem);
     const int hp = hd + 1;  // padded rows: lane j reading row j hits bank (j + d) % 32
     float* Qs = att_smem;
     float* Ks = Qs + PF_Q * hp;

@@ -2,6 +2,10 @@
 // it (NVRTC has no include path here, and no CUDA headers are needed: half conversions
 // use PTX `cvt` directly).
 //
+// The same files also compile as C++17 for the CPU executor (kernels/cuda-sim, which
+// defines TANDEM_CUDA_SIM): the only differences are behind that macro here (the two
+// inline-PTX conversions) and TANDEM_DYNAMIC_SMEM (dynamic shared memory).
+//
 // Byte layouts (little endian, identical to kernels/src/types.rs and quant.rs):
 //   F32  4 bytes/elem      F16  IEEE half      BF16  upper 16 bits of an f32
 //   Q8_0 34 bytes / 32: f16 d, 32 x i8            value = q * d
@@ -56,6 +60,15 @@ struct BlockQ8K {
     short bsums[16];
 };
 
+// `extern __shared__ T name[]`: the launch's dynamic shared memory.
+#ifndef TANDEM_DYNAMIC_SMEM
+#define TANDEM_DYNAMIC_SMEM(T, name) extern __shared__ T name[]
+#endif
+
+#ifdef TANDEM_CUDA_SIM
+__device__ __forceinline__ float h2f(u16 h) { return tsim_h2f(h); }
+__device__ __forceinline__ u16 f2h(float f) { return tsim_f2h(f); }
+#else
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -68,6 +81,7 @@ __device__ __forceinline__ u16 f2h(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#endif
 
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
 

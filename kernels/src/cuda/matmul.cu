@@ -12,13 +12,16 @@
 //
 //   mmvq_*: few tokens (decode). One warp per weight row; lane l reads blocks l, l+32, ...
 //           so a warp's loads of a row are contiguous (coalesced). Up to MMV_T tokens per
-//           launch row (grid.y covers more), so each weight block is read once per MMV_T.
+//           launch row (grid.y covers more), so each weight block is read once per MMV_T;
+//           the per-lane sums are reduced with as few shuffles as the token count allows
+//           (store_row_sums).
 //   mmq_*:  many tokens (prefill). 64 rows x 64 tokens per 256-thread block; 4 weight
 //           blocks per stage staged through shared memory as int8 (thread t loads block
 //           t % 4 of row t / 4: neighbouring threads read neighbouring bytes).
 //   mmv_float: F32 / F16 / BF16 weights against f32 activations.
 
 #define MMV_T 8
+static_assert(MMV_T == 8, "store_row_sums transposes exactly 8 sums");
 #define MQ_R 64
 #define MQ_T 64
 #define MQ_K 4
@@ -83,6 +86,38 @@ __device__ __forceinline__ bool has_m() {
     return TY == T_Q4_1 || TY == T_Q5_1;
 }
 
+// The warp's sums of acc[t] (one partial sum per lane) into out[t * rows] for t < nt; nt
+// is the same for the whole warp. One or two tokens: a butterfly per token (5 shuffles
+// each). More: one transposing butterfly for all MMV_T (9 shuffles instead of 40): at
+// offset 16 each half of the warp keeps four of the sums and hands its partner the other
+// four, at 8 two, at 4 one; lane l then holds token (l >> 2) & 7, and offsets 2 and 1
+// finish the sum.
+__device__ __forceinline__ void store_row_sums(const float* acc, int nt, int lane, float* out, int rows) {
+    if (nt <= 2) {
+#pragma unroll
+        for (int t = 0; t < 2; t++) {
+            if (t < nt) {
+                float v = warp_sum(acc[t]);
+                if (lane == 0) out[(u64)t * rows] = v;
+            }
+        }
+        return;
+    }
+    float s4[4], s2[2];
+    const bool h16 = lane & 16, h8 = lane & 8, h4 = lane & 4;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        s4[i] = (h16 ? acc[i + 4] : acc[i]) + __shfl_xor_sync(0xffffffffu, h16 ? acc[i] : acc[i + 4], 16);
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        s2[i] = (h8 ? s4[i + 2] : s4[i]) + __shfl_xor_sync(0xffffffffu, h8 ? s4[i] : s4[i + 2], 8);
+    float v = (h4 ? s2[1] : s2[0]) + __shfl_xor_sync(0xffffffffu, h4 ? s2[0] : s2[1], 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    const int t = (lane >> 2) & 7;
+    if ((lane & 3) == 0 && t < nt) out[(u64)t * rows] = v;
+}
+
 template <int TY>
 __device__ void mmvq(const u8* W, u64 row_bytes, int rows, int nb, const BlockQ8* X, int n_tok,
                      float* out) {
@@ -111,11 +146,7 @@ __device__ void mmvq(const u8* W, u64 row_bytes, int rows, int nb, const BlockQ8
             }
         }
     }
-#pragma unroll
-    for (int t = 0; t < MMV_T; t++) {
-        float v = warp_sum(acc[t]);
-        if (lane == 0 && t < nt) out[(u64)(t0 + t) * rows + row] = v;
-    }
+    store_row_sums(acc, nt, lane, out + (u64)t0 * rows + row, rows);
 }
 
 template <int TY>
@@ -433,9 +464,5 @@ extern "C" __global__ void tandem_mmv_float(const u8* W, int ty, u64 row_bytes, 
         for (int t = 0; t < MMV_T; t++)
             if (t < nt) acc[t] += w * x[(u64)(t0 + t) * cols + c];
     }
-#pragma unroll
-    for (int t = 0; t < MMV_T; t++) {
-        float v = warp_sum(acc[t]);
-        if (lane == 0 && t < nt) out[(u64)(t0 + t) * rows + row] = v;
-    }
+    store_row_sums(acc, nt, lane, out + (u64)t0 * rows + row, rows);
 }

@@ -23,6 +23,8 @@
 //!   decode steps and CUDA-graph capture / replay of the work that reads them.
 //! - [`CudaKernels`]: the slice-level [`crate::Kernels`] trait on top, copying host slices
 //!   in and out per call. For tests against [`crate::ScalarKernels`], not for serving.
+//! - `sim` (feature `cuda-sim`, tests only): the CPU executor that runs all of the above —
+//!   the real `.cu` kernels and the real driver calls — without a GPU.
 //!
 //! Memory layouts (all identical to the CPU side so KV export/import and tests compare
 //! byte for byte):
@@ -39,6 +41,8 @@ mod backend;
 mod device;
 mod kernels;
 pub mod launch;
+#[cfg(feature = "cuda-sim")]
+pub mod sim;
 pub mod sources;
 
 pub use backend::CudaBackend;

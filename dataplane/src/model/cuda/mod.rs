@@ -14,6 +14,8 @@
 //! - [`options`]: the run-time switches.
 
 mod forward;
+#[cfg(all(test, feature = "gpu-tests"))]
+mod gpu_tests;
 mod graphs;
 mod options;
 mod sampling;

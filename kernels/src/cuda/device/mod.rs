@@ -57,6 +57,11 @@ pub(crate) fn driver_err(what: &str) -> impl Fn(DriverError) -> Error + '_ {
 /// Check that a driver and device `ordinal` exist, without creating a context. cudarc
 /// panics when `libcuda` is missing on first use, so the library is looked up first.
 pub fn probe(ordinal: usize) -> Result<DeviceInfo> {
+    // A test that asks for the CPU executor gets it before cudarc looks for a driver.
+    #[cfg(feature = "cuda-sim")]
+    if super::sim::requested() {
+        super::sim::install()?;
+    }
     // SAFETY: only tries `dlopen` on the driver's library names.
     if !unsafe { sys::is_culib_present() } {
         return Err(Error::Cuda(
