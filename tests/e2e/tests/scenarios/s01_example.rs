@@ -129,11 +129,18 @@ async fn serve_and_check(env: &Env, ex: &Example<'_>) -> Result<()> {
             .args
             .clone()
             .unwrap_or_default();
+        // The operator renders its settings as `--flag=value` (tandem-contract); a
+        // separate value after `--prefill` is what a user's extra args could add.
         let peers = args
             .iter()
-            .skip_while(|a| *a != "--prefill")
-            .nth(1)
-            .context("decode has --prefill")?;
+            .find_map(|a| a.strip_prefix("--prefill="))
+            .or_else(|| {
+                args.iter()
+                    .skip_while(|a| *a != "--prefill")
+                    .nth(1)
+                    .map(String::as_str)
+            })
+            .with_context(|| format!("decode has --prefill (args {args:?})"))?;
         let prefill = member(env, ns, name, group(d), "prefill").await?;
         let want_ip = pod_ip(&prefill).context("prefill IP")?;
         for peer in peers.split(',') {
