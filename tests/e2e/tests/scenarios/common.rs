@@ -89,6 +89,24 @@ pub async fn get_pdd(env: &Env, ns: &str, name: &str) -> Result<PDDeployment> {
     )
 }
 
+/// `kubectl patch pdd NAME --type merge -p PATCH`, as a user edits a deployment.
+pub async fn merge_patch_pdd(env: &Env, ns: &str, name: &str, patch: &Value) -> Result<()> {
+    env.kubectl
+        .ok(&[
+            "patch",
+            "pdd",
+            name,
+            "-n",
+            ns,
+            "--type",
+            "merge",
+            "-p",
+            &patch.to_string(),
+        ])
+        .await?;
+    Ok(())
+}
+
 fn condition<'a>(
     p: &'a PDDeployment,
     t: &str,

@@ -131,19 +131,7 @@ pub async fn run(env: &Env) -> Result<()> {
 
     // 1. An edit rolls every group, one at a time.
     let edit = json!({"spec": {"decode": {"template": {"env": patch_env("1")}}}});
-    env.kubectl
-        .ok(&[
-            "patch",
-            "pdd",
-            name,
-            "-n",
-            ns,
-            "--type",
-            "merge",
-            "-p",
-            &edit.to_string(),
-        ])
-        .await?;
+    merge_patch_pdd(env, ns, name, &edit).await?;
     let p1 = wait_ready(env, ns, name, GROUPS, Duration::from_secs(240)).await?;
     let rev1 = p1
         .status
@@ -176,19 +164,7 @@ pub async fn run(env: &Env) -> Result<()> {
     // 2. partition 2: only group 2 moves to the next revision.
     let edit = json!({"spec": {"rollout": {"partition": 2},
                                "decode": {"template": {"env": patch_env("2")}}}});
-    env.kubectl
-        .ok(&[
-            "patch",
-            "pdd",
-            name,
-            "-n",
-            ns,
-            "--type",
-            "merge",
-            "-p",
-            &edit.to_string(),
-        ])
-        .await?;
+    merge_patch_pdd(env, ns, name, &edit).await?;
     let rev2 = tandem_e2e::wait::until_seen(
         "group 2 at the new revision, groups 0 and 1 held",
         Duration::from_secs(120),
@@ -221,19 +197,7 @@ pub async fn run(env: &Env) -> Result<()> {
 
     // 3. paused (and the partition lifted): nothing starts.
     let edit = json!({"spec": {"rollout": {"partition": 0, "paused": true}}});
-    env.kubectl
-        .ok(&[
-            "patch",
-            "pdd",
-            name,
-            "-n",
-            ns,
-            "--type",
-            "merge",
-            "-p",
-            &edit.to_string(),
-        ])
-        .await?;
+    merge_patch_pdd(env, ns, name, &edit).await?;
     tokio::time::sleep(Duration::from_secs(8)).await;
     let p = get_pdd(env, ns, name).await?;
     ensure!(
@@ -248,19 +212,7 @@ pub async fn run(env: &Env) -> Result<()> {
 
     // 4. unpaused: the held groups roll too.
     let edit = json!({"spec": {"rollout": {"paused": false}}});
-    env.kubectl
-        .ok(&[
-            "patch",
-            "pdd",
-            name,
-            "-n",
-            ns,
-            "--type",
-            "merge",
-            "-p",
-            &edit.to_string(),
-        ])
-        .await?;
+    merge_patch_pdd(env, ns, name, &edit).await?;
     wait_ready(env, ns, name, GROUPS, Duration::from_secs(240)).await?;
     for (g, rev, _) in revisions(env, ns, name).await? {
         ensure!(rev == rev2, "group {g} at {rev} after unpausing");

@@ -88,19 +88,7 @@ pub async fn run(env: &Env) -> Result<()> {
     // Enough memory: the next revision serves.
     let fix = json!({"spec": {"decode": {"template": {"resources":
         {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}}}}});
-    env.kubectl
-        .ok(&[
-            "patch",
-            "pdd",
-            name,
-            "-n",
-            ns,
-            "--type",
-            "merge",
-            "-p",
-            &fix.to_string(),
-        ])
-        .await?;
+    merge_patch_pdd(env, ns, name, &fix).await?;
     wait_ready(env, ns, name, 1, Duration::from_secs(240)).await?;
     let ip = pod_ip(&member(env, ns, name, 0, "decode").await?).context("decode IP")?;
     chat(&ip, Duration::from_secs(60)).await?;

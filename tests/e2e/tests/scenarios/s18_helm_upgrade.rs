@@ -100,19 +100,7 @@ pub async fn run(env: &Env) -> Result<()> {
             "decode": {"template": {"image": image}},
         }});
         let started = Instant::now();
-        env.kubectl
-            .ok(&[
-                "patch",
-                "pdd",
-                name,
-                "-n",
-                ns,
-                "--type",
-                "merge",
-                "-p",
-                &patch.to_string(),
-            ])
-            .await?;
+        merge_patch_pdd(env, ns, name, &patch).await?;
         tandem_e2e::wait::until_seen(
             "every group at the new image, Ready",
             Duration::from_secs(300),
