@@ -64,6 +64,10 @@ pub struct ObservedPod {
     pub not_ready_since: Option<Timestamp>,
     /// Current value of the `tandem.dev/group-ready` condition.
     pub group_ready_gate: bool,
+    /// When the gate was closed (its condition's `lastTransitionTime` while `False`), where
+    /// the executor's routing needs time to follow it; `None` where it follows at once (the
+    /// local runtime's router) or the gate was never set.
+    pub gate_closed_since: Option<Timestamp>,
     /// `deletionTimestamp`: when a terminating pod's grace period ends.
     pub deletion_deadline: Option<Timestamp>,
     /// Why the pod is not running yet, when the scheduler or the kubelet said why
@@ -216,6 +220,16 @@ pub struct Plan {
 /// A live kubelet removes a pod within its grace period; one that has not after this
 /// margin is on a node that is gone or hung, and would hold its group's co-restart forever.
 pub const FORCE_DELETE_MARGIN: Duration = Duration::from_secs(10);
+
+/// How long a planned removal (a rollout, a requested restart, a scale-down) waits between
+/// closing a decode's gate and deleting it. A closed gate takes the pod out of its Services
+/// only after the kubelet has recomputed `Ready`, the EndpointSlice controller has dropped
+/// the endpoint and every node's kube-proxy has rewritten its rules (about a second on an
+/// idle cluster; kube-proxy's minimum sync period alone is 1 s). Deleting at once stops the
+/// decode while connections are still routed to it: clients see "connection refused" (the
+/// e2e suite's `helm upgrade` did, one request in 66). A failure co-restart does not wait: its
+/// group is not serving anyway.
+pub const ENDPOINTS_SETTLE: Duration = Duration::from_secs(3);
 
 /// While a decode pod reports why it is not ready, plan again this often: its reason can
 /// change (`handshaking` → `auth_failed`) without its readiness changing, and so without

@@ -48,7 +48,12 @@ pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
         .unwrap_or_default();
     let cond = |t: &str| pod_conditions.iter().find(|c| c.type_ == t);
     let (ready, not_ready_since) = readiness(cond("ContainersReady"), cond("Ready"));
-    let group_ready_gate = cond(conditions::GROUP_READY).is_some_and(|c| c.status == "True");
+    let gate = cond(conditions::GROUP_READY);
+    let group_ready_gate = gate.is_some_and(|c| c.status == "True");
+    let gate_closed_since = gate
+        .filter(|c| c.status == "False")
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map(|t| t.0);
     Ok(ObservedPod {
         name,
         group,
@@ -60,6 +65,7 @@ pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
         ready,
         not_ready_since,
         group_ready_gate,
+        gate_closed_since,
         deletion_deadline: pod.metadata.deletion_timestamp.as_ref().map(|t| t.0),
         waiting: waiting_reason(pod),
         exit: exit_reason(pod),

@@ -214,6 +214,8 @@ impl Member {
             ready,
             not_ready_since,
             group_ready_gate: self.gate,
+            // The local router drops a member from its endpoint as the gate closes.
+            gate_closed_since: None,
             // The executor sends SIGKILL itself when the grace period ends, so a local
             // member never needs the planner's force-delete (a remedy for lost nodes).
             deletion_deadline: None,

@@ -8,9 +8,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::build::{build_group, decode_not_ready};
 use super::{
-    CoRestart, Ctx, DeleteReason, EventKind, FORCE_DELETE_MARGIN, ObservedPod, PlannedAction,
-    PodPhase, READY_DETAIL_REFRESH, Role, Trigger, add, backoff_delay, close_gates, is_failure,
-    note_phase, until,
+    CoRestart, Ctx, DeleteReason, ENDPOINTS_SETTLE, EventKind, FORCE_DELETE_MARGIN, ObservedPod,
+    PlannedAction, PodPhase, READY_DETAIL_REFRESH, Role, Trigger, add, backoff_delay, close_gates,
+    is_failure, note_phase, until,
 };
 use crate::crd::{CoRestartReason, CoRestartRecord, GroupPhase, GroupStatus, RestartPolicy};
 use crate::reasons::EventReason;
@@ -57,7 +57,7 @@ pub(super) fn scale_down_group(
     mem.bootstrap_healthy = false;
     mem.decode_not_ready = None;
     close_gates(ctx, pods);
-    if !remove_in_order(ctx, pods, DeleteReason::ScaleDown) {
+    if !endpoints_settled(ctx, pods) || !remove_in_order(ctx, pods, DeleteReason::ScaleDown) {
         return Some(mem);
     }
     if obs.group_services.contains(&g)
@@ -69,6 +69,31 @@ pub(super) fn scale_down_group(
         return Some(mem);
     }
     None
+}
+
+/// True once no live decode among `pods` can still be routed to: each one's gate is closed
+/// and, where its executor's routing lags (`gate_closed_since`), has been for
+/// [`ENDPOINTS_SETTLE`]. Otherwise asks to be called again when that will be so.
+fn endpoints_settled(ctx: &mut Ctx<'_>, pods: &[&ObservedPod]) -> bool {
+    let now = ctx.input.now;
+    let mut settled = true;
+    for p in pods
+        .iter()
+        .filter(|p| p.role == Role::Decode && !p.terminating)
+    {
+        if p.group_ready_gate {
+            // Closed by this plan (close_gates); observed closed on a later pass.
+            ctx.requeue_in(ENDPOINTS_SETTLE);
+            settled = false;
+        } else if let Some(since) = p.gate_closed_since {
+            let at = add(since, ENDPOINTS_SETTLE);
+            if now < at {
+                ctx.requeue_in(until(now, at));
+                settled = false;
+            }
+        }
+    }
+    settled
 }
 
 /// Delete `pods` decode first: prefill pods are deleted only once no decode pod is left
@@ -294,8 +319,16 @@ pub(super) fn step_group(
             .last_co_restart
             .as_ref()
             .map_or(CoRestartReason::IncarnationMismatch, |r| r.reason);
-        remove_in_order(ctx, &stale, DeleteReason::CoRestart(reason));
         mem.bootstrap_healthy = false;
+        if !is_failure(reason) && !endpoints_settled(ctx, &stale) {
+            mem.message = Some(format!(
+                "taking {} pod(s) of the previous incarnation out of the Services before removing them",
+                stale.len()
+            ));
+            note_phase(ctx, &mem, prev_phase);
+            return mem;
+        }
+        remove_in_order(ctx, &stale, DeleteReason::CoRestart(reason));
         mem.message = Some(format!(
             "removing {} pod(s) of the previous incarnation, decode first",
             stale.len()

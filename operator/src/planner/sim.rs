@@ -129,6 +129,7 @@ impl Sim {
                         ready: false,
                         not_ready_since: Some(self.now),
                         group_ready_gate: false,
+                        gate_closed_since: None,
                         deletion_deadline: None,
                         waiting: None,
                         exit: None,
@@ -162,6 +163,10 @@ impl Sim {
             }
             PlannedAction::SetGroupReadyGate { pod, ready } => {
                 if let Some(p) = self.pods.get_mut(pod) {
+                    // Like the controller's patch: the condition's transition time.
+                    if p.group_ready_gate != *ready {
+                        p.gate_closed_since = (!*ready).then_some(self.now);
+                    }
                     p.group_ready_gate = *ready;
                 }
             }

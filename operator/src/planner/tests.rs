@@ -345,6 +345,8 @@ fn revision_change_rolls_one_group_at_a_time_highest_first() {
         sim.finish_terminations();
         let plan = sim.reconcile();
         order.extend(plan.co_restarts.iter().map(|r| r.group));
+        // Each group's decode leaves its Services before it is deleted.
+        sim.advance(1);
     }
     assert_eq!(order, vec![2, 1, 0]);
     let st = sim.status.as_ref().unwrap();
@@ -368,7 +370,9 @@ fn min_ready_seconds_holds_the_next_group_until_the_rebuilt_one_has_settled() {
         Sim::co_restart_reasons(&sim.reconcile()),
         vec![(2, R::RevisionChanged)]
     );
-    // Rebuild group 2 without the clock moving: it turns Ready, but group 1 waits.
+    // Group 2's decode leaves its Services first (ENDPOINTS_SETTLE); then rebuild it
+    // without the clock moving: it turns Ready, but group 1 waits.
+    sim.advance(ENDPOINTS_SETTLE.as_secs());
     for _ in 0..20 {
         sim.start_pending();
         sim.finish_terminations();
@@ -534,6 +538,7 @@ fn restart_request_rolls_groups_once_each() {
         sim.start_pending();
         sim.finish_terminations();
         n += sim.reconcile().co_restarts.len();
+        sim.advance(1);
     }
     assert_eq!(n, 2, "each group restarted exactly once");
     assert!(sim.reconcile().co_restarts.is_empty());
@@ -605,6 +610,21 @@ fn scale_up_adds_groups_and_scale_down_removes_highest_decode_first() {
     sim.settle(40);
     assert_eq!(sim.status.as_ref().unwrap().ready_groups, 3);
     sim.spec.groups = 1;
+    // The removed groups' decodes leave their Services first, and are deleted once that
+    // has had time to reach every node.
+    let plan = sim.reconcile();
+    assert!(Sim::deleted(&plan).is_empty());
+    let closed = |plan: &Plan| {
+        plan.actions
+            .iter()
+            .filter(|a| matches!(a, PlannedAction::SetGroupReadyGate { ready: false, .. }))
+            .count()
+    };
+    assert_eq!(closed(&plan), 2);
+    assert!(plan.requeue_after.is_some_and(|d| d <= ENDPOINTS_SETTLE));
+    sim.advance(ENDPOINTS_SETTLE.as_secs() - 1);
+    assert!(Sim::deleted(&sim.reconcile()).is_empty(), "not yet settled");
+    sim.advance(1);
     let plan = sim.reconcile();
     let deleted = Sim::deleted(&plan);
     assert_eq!(deleted.len(), 2);
@@ -1001,4 +1021,35 @@ fn several_groups_report_the_lowest_first_and_a_co_restart_names_the_reason() {
     );
     // The reported pod belongs to the incarnation being removed.
     assert_eq!(sim.group(0).decode_not_ready, None);
+}
+
+#[test]
+fn a_rollout_deletes_a_decode_only_once_it_has_left_its_services() {
+    let mut sim = ready_sim(1);
+    sim.spec.decode.template.image = "tandem:2".into();
+    let d = only_pod(&sim, 0, Role::Decode);
+    let plan = sim.reconcile();
+    assert_eq!(
+        Sim::co_restart_reasons(&plan),
+        vec![(0, R::RevisionChanged)]
+    );
+    assert!(plan.actions.contains(&PlannedAction::SetGroupReadyGate {
+        pod: d.clone(),
+        ready: false
+    }));
+    assert!(
+        Sim::deleted(&plan).is_empty(),
+        "deleted while still routed to"
+    );
+    assert!(
+        sim.group(0)
+            .message
+            .as_deref()
+            .unwrap()
+            .contains("out of the Services")
+    );
+    sim.advance(ENDPOINTS_SETTLE.as_secs() - 1);
+    assert!(Sim::deleted(&sim.reconcile()).is_empty());
+    sim.advance(1);
+    assert_eq!(Sim::deleted(&sim.reconcile()), vec![(d, Role::Decode)]);
 }
