@@ -14,8 +14,10 @@
 //! logits, a KV transfer GPU to GPU, the prefix cache) are exact.
 //!
 //! On the CPU executor one SmolLM2 decode step costs ~40 M fiber switches (about half a
-//! CPU-second), so [`count`] lowers the number of generated tokens and decode steps there;
-//! every check keeps its meaning, and each lowered count is printed.
+//! CPU-second), so [`count`] lowers the number of generated tokens and decode steps there,
+//! the CUDA-against-CPU greedy test takes the three prompts with distinct kernel paths,
+//! and the tests that compare CUDA with CUDA run on a synthetic model
+//! ([`same_backend_model`]); every check keeps its meaning, and each change is printed.
 
 mod prefix;
 mod sampling;
