@@ -13,6 +13,23 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The C++ compiler the `cc` crate finds (`CXX`, else `c++`). `cc` is a build dependency
+/// only with feature `cuda-sim`; without it `main` returns before this is called.
+#[cfg(feature = "cuda-sim")]
+fn cxx() -> PathBuf {
+    cc::Build::new()
+        .cpp(true)
+        .cargo_metadata(false)
+        .get_compiler()
+        .path()
+        .to_path_buf()
+}
+
+#[cfg(not(feature = "cuda-sim"))]
+fn cxx() -> PathBuf {
+    unreachable!("the CPU executor is built only with feature cuda-sim")
+}
+
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     if std::env::var_os("CARGO_FEATURE_CUDA_SIM").is_none() {
@@ -30,12 +47,7 @@ fn main() {
     if !target.starts_with("x86_64-") || !target.contains("linux") {
         panic!("feature cuda-sim: the CPU executor runs on x86-64 Linux only (target {target})");
     }
-    let cxx = cc::Build::new()
-        .cpp(true)
-        .cargo_metadata(false)
-        .get_compiler()
-        .path()
-        .to_path_buf();
+    let cxx = cxx();
     let b = Builder {
         cxx,
         sim: sim.clone(),
