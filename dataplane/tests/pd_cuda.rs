@@ -16,20 +16,23 @@
 mod common;
 
 use common::{MODEL_NAME, Server, free_port, pd_env, start_decode, start_prefill};
-use serde_json::{Value, json};
+use serde_json::json;
 
 /// Below this log-probability margin between the CPU's best two tokens the CUDA decode may
 /// pick the second (the TIE_MARGIN of the model tests).
 const TIE_MARGIN: f64 = 1.0;
 
-/// Greedy completion: its token strings, each step's top log-probabilities (token,
-/// logprob) when asked for, and the text.
+/// One step's top log-probabilities, best first: (token, logprob).
+type TopLogprobs = Vec<(String, f64)>;
+
+/// Greedy completion: its token strings, each step's top log-probabilities when asked
+/// for, and the text.
 fn complete(
     s: &Server,
     prompt: &str,
     n: usize,
     logprobs: bool,
-) -> (Vec<String>, Vec<Vec<(String, f64)>>, String) {
+) -> (Vec<String>, Vec<TopLogprobs>, String) {
     let mut body =
         json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0});
     if logprobs {

@@ -66,11 +66,50 @@ inline Lane* current_lane() {
     return (Lane*)tsim_lane_address(sp);
 }
 
+// __cxa_demangle recurses deeply on the kernels' template names: run on a fiber's 16 KiB
+// stack it overflowed it (a SIGSEGV instead of the race report). It runs on a stack of
+// its own; malloc'd result, or null when `name` is not a mangled name.
+char* demangle(const char* name) {
+    constexpr size_t kBytes = 1 << 20;
+    static thread_local char* stack = nullptr;
+    if (!stack && !(stack = (char*)malloc(kBytes))) return nullptr;
+    struct Call {
+        const char* name;
+        char* out;
+        static void run(void* p) {
+            Call* c = (Call*)p;
+            int st = 0;
+            c->out = abi::__cxa_demangle(c->name, nullptr, nullptr, &st);
+            if (st != 0) {
+                free(c->out);
+                c->out = nullptr;
+            }
+        }
+    } call{name, nullptr};
+    void* top = (void*)(((uintptr_t)stack + kBytes) & ~(uintptr_t)15);
+    void (*fn)(void*) = &Call::run;
+    void* arg = &call;
+    // Switch rsp to `top`, call fn(arg) (System V: every caller-saved register clobbered),
+    // switch back. rbx keeps the fiber's rsp across the call.
+    __asm__ volatile(
+        "movq %%rsp, %%rbx\n\t"
+        "movq %0, %%rsp\n\t"
+        "movq %2, %%rdi\n\t"
+        "callq *%1\n\t"
+        "movq %%rbx, %%rsp\n\t"
+        :
+        : "r"(top), "r"(fn), "r"(arg)
+        : "rbx", "rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11", "xmm0", "xmm1", "xmm2", "xmm3",
+          "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15",
+          "memory", "cc");
+    return call.out;
+}
+
 std::string code_at(const void* pc) {
     Dl_info info;
     if (pc && dladdr(pc, &info) && info.dli_sname) {
         int st = 0;
-        char* dm = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &st);
+        char* dm = demangle(info.dli_sname);
         char b[64];
         snprintf(b, sizeof b, "+0x%lx", (unsigned long)((uintptr_t)pc - (uintptr_t)info.dli_saddr));
         std::string s = std::string(st == 0 && dm ? dm : info.dli_sname) + b;
@@ -103,7 +142,7 @@ std::string shared_name(const Exec& ex, uintptr_t off) {
         for (const TlsSymbol& s : *syms)
             if (off >= s.offset && off < s.offset + s.size) {
                 int st = 0;
-                char* dm = abi::__cxa_demangle(s.name.c_str(), nullptr, nullptr, &st);
+                char* dm = demangle(s.name.c_str());
                 std::string n = st == 0 && dm ? dm : s.name;
                 free(dm);
                 return n + " + " + std::to_string(off - s.offset);

@@ -14,17 +14,23 @@
 //! logits, a KV transfer GPU to GPU, the prefix cache) are exact.
 //!
 //! On the CPU executor one SmolLM2 decode step costs ~40 M fiber switches (about half a
-//! CPU-second), so [`count`] lowers the number of generated tokens and decode steps there;
-//! every check keeps its meaning, and each lowered count is printed.
+//! CPU-second), so [`count`] lowers the number of generated tokens and decode steps there,
+//! the CUDA-against-CPU greedy test takes the three prompts with distinct kernel paths,
+//! and the tests that compare CUDA with CUDA run on a synthetic model
+//! ([`same_backend_model`]); every check keeps its meaning, and each change is printed.
 
 mod prefix;
 mod sampling;
 
 use tandem_kernels::cuda::launch::{self, SampleRow};
 
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
 use super::sampling::device_row;
 use super::*;
 use crate::model::CpuModelRunner;
+use crate::model::synthetic::TinyLlama;
 use crate::sampling::SamplingParams;
 
 /// Largest |Δlogit| between backends (see the module header).
@@ -58,14 +64,62 @@ fn count(what: &str, gpu: usize, sim: usize) -> usize {
 }
 
 fn gpu_runner(kv_tokens: usize) -> CudaModelRunner {
+    gpu_runner_of(&crate::test_support::model_path(), kv_tokens)
+}
+
+fn gpu_runner_of(model: &Path, kv_tokens: usize) -> CudaModelRunner {
     let rc = RunnerConfig::with_kv_tokens(kv_tokens, tandem_kernels::GgmlType::F16);
-    CudaModelRunner::load(
-        &crate::test_support::model_path(),
-        rc,
-        0,
-        CudaOptions::default(),
-    )
-    .unwrap_or_else(|e| panic!("GPU test without a usable CUDA device: {e}"))
+    CudaModelRunner::load(model, rc, 0, CudaOptions::default())
+        .unwrap_or_else(|e| panic!("GPU test without a usable CUDA device: {e}"))
+}
+
+/// The model of the tests that compare CUDA with CUDA (graphs on and off, device and host
+/// sampling, the prefix cache): SmolLM2 on a GPU; on the CPU executor a synthetic
+/// 2-layer Llama ([`TinyLlama`], GGUF written once into the temp directory) with
+/// SmolLM2's tensor types (Q4_1 matrices, Q8_0 embedding tied to the output), head
+/// size (64) and GQA ratio (3 query heads per KV head), and rows that are not multiples
+/// of the matmul tiles (FFN 352, vocabulary 1000: past the sampler's 256 candidates).
+/// These tests compare one backend with itself, exactly, so they mean the same on any
+/// weights; SmolLM2 through the executor costs ~100x more per step. CUDA against the CPU
+/// (`gpu_greedy_equals_cpu_for_five_prompts`, the KV transfer) stays on SmolLM2.
+fn same_backend_model() -> (PathBuf, u32) {
+    if !on_executor() {
+        return (crate::test_support::model_path(), 49152);
+    }
+    static TINY: OnceLock<PathBuf> = OnceLock::new();
+    let m = TinyLlama {
+        n_layers: 2,
+        dim: 192,
+        ffn_dim: 352,
+        n_heads: 3,
+        n_kv_heads: 1,
+        vocab: 1000,
+        context_length: 4096,
+        weight_type: tandem_kernels::GgmlType::Q4_1,
+        embd_type: tandem_kernels::GgmlType::Q8_0,
+        untied_output: false,
+        seed: 18,
+    };
+    let path = TINY.get_or_init(|| {
+        let bytes = m.to_bytes();
+        // Named by its content (FNV-1a), so that every run and test binary shares one file.
+        let hash = bytes.iter().fold(0xcbf29ce484222325u64, |h, b| {
+            (h ^ *b as u64).wrapping_mul(0x100000001b3)
+        });
+        let path =
+            std::env::temp_dir().join(format!("tandem-cuda-sim-tiny-llama-{hash:016x}.gguf"));
+        if !path.is_file() {
+            let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
+            std::fs::write(&tmp, &bytes).unwrap();
+            std::fs::rename(&tmp, &path).unwrap();
+        }
+        println!(
+            "CPU executor: CUDA-vs-CUDA tests on {} (a GPU runs SmolLM2)",
+            path.display()
+        );
+        path
+    });
+    (path.clone(), m.vocab as u32)
 }
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -78,6 +132,13 @@ fn prompts() -> Vec<Vec<u32>> {
         vec![504, 1345, 282, 3807, 314],
         (1..=40).map(|i| 100 + 37 * i).collect(),
     ]
+}
+
+/// [`prompts`] with every id reduced modulo a smaller vocabulary.
+fn prompts_in(vocab: u32) -> Vec<Vec<u32>> {
+    let mut p = prompts();
+    p.iter_mut().flatten().for_each(|t| *t %= vocab);
+    p
 }
 
 fn argmax(v: &[f32]) -> u32 {
@@ -179,7 +240,21 @@ fn gpu_greedy_equals_cpu_for_five_prompts() {
     let rc = RunnerConfig::with_kv_tokens(4096, tandem_kernels::GgmlType::F16);
     let mut cpu = CpuModelRunner::load(&crate::test_support::model_path(), rc).unwrap();
     assert_eq!(gpu.info(), cpu.info(), "same ModelInfo and fingerprint");
-    for (i, p) in prompts().iter().enumerate() {
+    // On the executor the prompts that take distinct kernel paths: 5 tokens (one group of
+    // the warp-per-row matmul), 9 (a full group and a 1-token tail, the reduction for
+    // <= 2 tokens) and 40 (the tiled matmul, 3 KV blocks); prompts 1 and 3 (7 and 5
+    // tokens) repeat prompt 0's paths.
+    let which: &[usize] = if on_executor() {
+        println!("CPU executor: prompts 0, 2 and 4 (a GPU runs all five)");
+        &[0, 2, 4]
+    } else {
+        &[0, 1, 2, 3, 4]
+    };
+    for (i, p) in prompts()
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| which.contains(i))
+    {
         let what = format!("greedy, prompt {i}: CUDA vs CPU");
         let s = i as u64;
         teacher_forced(&what, p, n, false, |t| {
@@ -385,19 +460,20 @@ fn greedy_sampled(r: &mut CudaModelRunner, seq: u64, prompt: &[u32], n: usize) -
 #[test]
 fn gpu_step_sample_greedy_equals_greedy_with_and_without_graphs() {
     let n = count("greedy tokens per prompt", 32, 6);
-    let mut plain = gpu_runner(4096);
-    let want: Vec<Vec<u32>> = prompts()
+    let (model, vocab) = same_backend_model();
+    let mut plain = gpu_runner_of(&model, 4096);
+    let want: Vec<Vec<u32>> = prompts_in(vocab)
         .iter()
         .enumerate()
         .map(|(i, p)| greedy(&mut plain, i as u64, p, n))
         .collect();
     for graphs in [false, true] {
-        let mut g = gpu_runner(4096);
+        let mut g = gpu_runner_of(&model, 4096);
         g.set_options(CudaOptions {
             graphs,
             device_sampling: true,
         });
-        for (i, p) in prompts().iter().enumerate() {
+        for (i, p) in prompts_in(vocab).iter().enumerate() {
             let got = greedy_sampled(&mut g, i as u64, p, n);
             assert_eq!(got, want[i], "prompt {i}, graphs {graphs}");
         }
@@ -415,8 +491,9 @@ fn gpu_step_sample_greedy_equals_greedy_with_and_without_graphs() {
 
 #[test]
 fn gpu_graph_decode_equals_plain_decode() {
-    let mut plain = gpu_runner(16384);
-    let mut graph = gpu_runner(16384);
+    let (model, vocab) = same_backend_model();
+    let mut plain = gpu_runner_of(&model, 16384);
+    let mut graph = gpu_runner_of(&model, 16384);
     graph.set_options(CudaOptions {
         graphs: true,
         device_sampling: true,
@@ -445,8 +522,8 @@ fn gpu_graph_decode_equals_plain_decode() {
         let prefill: Vec<StepInput> = seqs
             .iter()
             .map(|&s| {
-                let mut p = prompts()[s as usize % 5].clone();
-                p.push(100 + s as u32);
+                let mut p = prompts_in(vocab)[s as usize % 5].clone();
+                p.push((100 + s as u32) % vocab);
                 StepInput {
                     seq: SeqId(s),
                     tokens: p,
@@ -482,7 +559,7 @@ fn gpu_graph_decode_equals_plain_decode() {
         let replayed = graph.graph_stats().replayed;
         let mut mixed = vec![StepInput {
             seq: SeqId(9999),
-            tokens: prompts()[0].clone(),
+            tokens: prompts_in(vocab)[0].clone(),
             want_logits: true,
         }];
         mixed.extend(seqs.iter().zip(&next).map(|(s, t)| StepInput {
@@ -504,25 +581,42 @@ fn gpu_graph_decode_equals_plain_decode() {
     assert!(st.captured >= 7, "{st:?}");
     assert_eq!(plain.graph_stats(), GraphStats::default());
     // A step larger than the activation buffers grows them and drops the graphs;
-    // decode graphs are captured again and stay correct.
+    // decode graphs are captured again and stay correct. (The last mixed step grew the
+    // logits rows and dropped the graphs already: first a graph to drop, one decode
+    // step of a fresh sequence.)
+    let mut next = Vec::new();
+    for r in [&mut plain, &mut graph] {
+        let p = prompts_in(vocab)[0].clone();
+        next = argmaxes(
+            &r.step(&[StepInput {
+                seq: SeqId(5000),
+                tokens: p,
+                want_logits: true,
+            }])
+            .unwrap(),
+        );
+    }
+    let a = argmaxes(&decode(&mut plain, &[5000], &next));
+    assert_eq!(a, argmaxes(&decode(&mut graph, &[5000], &next)));
+    next = a;
+    let before = graph.graph_stats();
+    assert_eq!(before.captured, st.captured + 1, "{before:?}");
     let long: Vec<u32> = (0..graph.model().activations().caps().0 as u32 + 1)
-        .map(|i| 200 + i % 3000)
+        .map(|i| (200 + i % 3000) % vocab)
         .collect();
     for r in [&mut plain, &mut graph] {
         r.step(&[StepInput {
-            seq: SeqId(5000),
+            seq: SeqId(5001),
             tokens: long.clone(),
             want_logits: true,
         }])
         .unwrap();
     }
-    let captured = graph.graph_stats().captured;
-    assert_eq!(graph.graph_stats().invalidated, st.invalidated + 1);
-    let mut next = vec![7042];
+    assert_eq!(graph.graph_stats().invalidated, before.invalidated + 1);
     for _ in 0..4 {
         let a = argmaxes(&decode(&mut plain, &[5000], &next));
         assert_eq!(a, argmaxes(&decode(&mut graph, &[5000], &next)));
         next = a;
     }
-    assert_eq!(graph.graph_stats().captured, captured + 1);
+    assert_eq!(graph.graph_stats().captured, before.captured + 1);
 }

@@ -26,10 +26,11 @@ fn run(r: &mut CudaModelRunner, seq: u64, first: &[u32], n: usize) -> (Vec<u32>,
 fn gpu_prefix_cache_hits_and_changes_no_output_bit() {
     let n = count("decode steps after each prompt", 6, 2);
     // A 45-token prefix (two whole 16-token blocks and part of a third), two prompts on it.
-    let prefix: Vec<u32> = (0..45u32).map(|i| (i * 37 + 11) % 49152).collect();
+    let (model, vocab) = same_backend_model();
+    let prefix: Vec<u32> = (0..45u32).map(|i| (i * 37 + 11) % vocab).collect();
     let with = |tail: &[u32]| -> Vec<u32> { prefix.iter().chain(tail).copied().collect() };
     let (a, b) = (
-        with(&[17, 400, 9000]),
+        with(&[17, 400, 9000 % vocab]),
         with(&[5, 6, 7, 8, 9, 10, 11, 12, 13]),
     );
     let rc = |prefix_cache| RunnerConfig {
@@ -37,13 +38,8 @@ fn gpu_prefix_cache_hits_and_changes_no_output_bit() {
         ..RunnerConfig::with_kv_tokens(2048, tandem_kernels::GgmlType::F16)
     };
     let load = |prefix_cache| {
-        CudaModelRunner::load(
-            &crate::test_support::model_path(),
-            rc(prefix_cache),
-            0,
-            CudaOptions::default(),
-        )
-        .unwrap_or_else(|e| panic!("GPU test without a usable CUDA device: {e}"))
+        CudaModelRunner::load(&model, rc(prefix_cache), 0, CudaOptions::default())
+            .unwrap_or_else(|e| panic!("GPU test without a usable CUDA device: {e}"))
     };
     let mut cached = load(true);
     assert_eq!(cached.reserve_prompt(SeqId(1), &a, a.len() + n).unwrap(), 0);

@@ -7,10 +7,11 @@ use super::*;
 /// Each sampler knows its prompt and accepts its tokens, as in the engine.
 fn sample_batch(
     r: &mut CudaModelRunner,
+    vocab: u32,
     params: &[SamplingParams],
     steps: usize,
 ) -> Vec<Vec<Sampled>> {
-    let mut next: Vec<Vec<u32>> = prompts();
+    let mut next: Vec<Vec<u32>> = prompts_in(vocab);
     let mut samplers: Vec<Sampler> = params
         .iter()
         .zip(&next)
@@ -58,15 +59,16 @@ fn gpu_seeded_device_sampling_equals_host_sampling_of_the_same_logits() {
         sp(1.2, 500, 0.95, 4, None),
         sp(0.9, 0, 1.0, 5, Some(3)),
     ];
-    let mut host = gpu_runner(4096);
+    let (model, vocab) = same_backend_model();
+    let mut host = gpu_runner_of(&model, 4096);
     host.set_options(CudaOptions {
         graphs: false,
         device_sampling: false,
     });
-    let mut dev = gpu_runner(4096);
+    let mut dev = gpu_runner_of(&model, 4096);
     let n = count("sampling steps", 24, 6);
-    let want = sample_batch(&mut host, &params, n);
-    let got = sample_batch(&mut dev, &params, n);
+    let want = sample_batch(&mut host, vocab, &params, n);
+    let got = sample_batch(&mut dev, vocab, &params, n);
     // Equal unless a draw falls within float rounding (~1e-6) of a boundary
     // between two tokens: not expected in 5 x 24 draws.
     assert_eq!(got, want);
@@ -108,15 +110,16 @@ fn gpu_rows_with_penalties_or_min_tokens_go_to_the_host_and_equal_host_sampling(
             ..Default::default()
         },
     ];
-    let mut host = gpu_runner(4096);
+    let (model, vocab) = same_backend_model();
+    let mut host = gpu_runner_of(&model, 4096);
     host.set_options(CudaOptions {
         graphs: false,
         device_sampling: false,
     });
-    let mut dev = gpu_runner(4096);
+    let mut dev = gpu_runner_of(&model, 4096);
     let n = count("sampling steps", 24, 6) as u64;
-    let want = sample_batch(&mut host, &params, n as usize);
-    let got = sample_batch(&mut dev, &params, n as usize);
+    let want = sample_batch(&mut host, vocab, &params, n as usize);
+    let got = sample_batch(&mut dev, vocab, &params, n as usize);
     assert_eq!(got, want);
     let st = dev.sampling_stats();
     println!("device sampling with penalties, 5 x {n} tokens: {st:?}");
