@@ -17,6 +17,7 @@
 //! CPU-second), so [`count`] lowers the number of generated tokens and decode steps there;
 //! every check keeps its meaning, and each lowered count is printed.
 
+mod architectures;
 mod prefix;
 mod sampling;
 
