@@ -120,7 +120,7 @@ fn gpu_every_architecture_equals_cpu_on_the_new_tensor_types() {
         }
         let rms = (sq / values as f64).sqrt() as f32;
         println!(
-            "{what}: CUDA vs CPU over {values} logits: max |Δlogit| {worst:.4}, rms {rms:.5}, \
+            "{what}: CUDA vs CPU over {values} logits: max |Δlogit| {worst:.2e}, rms {rms:.2e}, \
              {ties} picks differ at near ties"
         );
         assert!(
