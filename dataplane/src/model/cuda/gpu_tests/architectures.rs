@@ -13,7 +13,13 @@
 //! sum floats in other orders; on models this small that noise stays within the bounds
 //! `tests/model_reference.rs` sets for Q8-activation rounding against numpy (|Δlogit|
 //! ≤ 0.5, rms ≤ 0.05, another pick only where the CPU's best two logits are within 0.2).
-//! A defect (a wrong window, a missing bias or norm) moves logits by whole units.
+//! A defect (a wrong window, a missing bias or norm) moves logits by whole units (a decode
+//! kernel that ignores the window: Gemma's max |Δlogit| 1.53, rms 0.35).
+//!
+//! A third runner decodes with CUDA graphs: every decode step replays a captured graph of
+//! the architecture's kernels (captured on its first use), and its logits equal the plain
+//! CUDA runner's (the same kernels on the same inputs; 1e-3 as in
+//! `gpu_graph_decode_equals_plain_decode`, in case a driver reorders a reduction).
 
 use std::sync::Arc;
 
@@ -86,15 +92,31 @@ fn gpu_every_architecture_equals_cpu_on_the_new_tensor_types() {
         let g = Arc::new(Gguf::from_bytes(m.to_bytes()).unwrap());
         let rc = || RunnerConfig::with_kv_tokens(256, GgmlType::F16);
         let mut cpu = CpuModelRunner::new(g.clone(), rc(), Arc::new(CpuKernels::new())).unwrap();
-        let mut gpu = CudaModelRunner::new(g, rc(), 0, CudaOptions::default())
-            .unwrap_or_else(|e| panic!("GPU test without a usable CUDA device: {e}"));
+        let cuda = |graphs| {
+            let opts = CudaOptions {
+                graphs,
+                device_sampling: true,
+            };
+            CudaModelRunner::new(g.clone(), rc(), 0, opts)
+                .unwrap_or_else(|e| panic!("GPU test without a usable CUDA device: {e}"))
+        };
+        let (mut gpu, mut graph) = (cuda(false), cuda(true));
         let what = format!("{} {wt} (embedding {et})", arch.name());
         let (mut worst, mut sq, mut values, mut ties) = (0f32, 0f64, 0usize, 0);
+        let mut graph_diff = 0f32;
         for (s, p) in prompts.iter().enumerate() {
             let seq = s as u64;
             let mut input = p.clone();
             for step in 0..=decode {
                 let (want, got) = (logits(&mut cpu, seq, &input), logits(&mut gpu, seq, &input));
+                let replayed = graph.graph_stats().replayed;
+                let from_graph = logits(&mut graph, seq, &input);
+                if step >= 1 {
+                    assert_eq!(graph.graph_stats().replayed, replayed + 1, "{what}");
+                }
+                for (a, b) in got.iter().zip(&from_graph) {
+                    graph_diff = graph_diff.max((a - b).abs());
+                }
                 assert!(
                     want.iter().any(|v| v.abs() > 1e-2),
                     "{what}: the CPU's logits are all near zero"
@@ -121,8 +143,11 @@ fn gpu_every_architecture_equals_cpu_on_the_new_tensor_types() {
         let rms = (sq / values as f64).sqrt() as f32;
         println!(
             "{what}: CUDA vs CPU over {values} logits: max |Δlogit| {worst:.2e}, rms {rms:.2e}, \
-             {ties} picks differ at near ties"
+             {ties} picks differ at near ties; graphs vs plain max |Δlogit| {graph_diff:.2e}"
         );
+        assert!(graph_diff <= 1e-3, "{what}: graphs vs plain {graph_diff}");
+        let gs = graph.graph_stats();
+        assert_eq!(gs.capture_failures, 0, "{what}: {gs:?}");
         assert!(
             worst <= MAX_ABS && rms <= RMS,
             "{what}: max {worst}, rms {rms}"
