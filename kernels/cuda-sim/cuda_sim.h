@@ -231,6 +231,23 @@ static __forceinline__ uint16_t tsim_f2h(float f) {
     return (uint16_t)(sign | h);
 }
 
+// ---- Single-rounding float operations (PTX add.rn / sub.rn / mul.rn / div.rn /
+// sqrt.rn / fma.rn .f32): each is one IEEE binary32 operation rounded to nearest even,
+// never contracted with its neighbours into an fma (that is their purpose in the kernels:
+// the rounding steps of the CPU reference). The empty asm makes the result opaque to the
+// optimizer, so the guarantee does not depend on -ffp-contract=off. ----
+static __forceinline__ float tsim_rounded(float r) {
+    __asm__("" : "+x"(r));
+    return r;
+}
+static __forceinline__ float __fadd_rn(float a, float b) { return tsim_rounded(a + b); }
+static __forceinline__ float __fsub_rn(float a, float b) { return tsim_rounded(a - b); }
+static __forceinline__ float __fmul_rn(float a, float b) { return tsim_rounded(a * b); }
+static __forceinline__ float __fdiv_rn(float a, float b) { return tsim_rounded(a / b); }
+static __forceinline__ float __fsqrt_rn(float a) { return tsim_rounded(sqrtf(a)); }
+// One rounding of the exact a * b + c (glibc's fmaf is correctly rounded).
+static __forceinline__ float __fmaf_rn(float a, float b, float c) { return tsim_rounded(fmaf(a, b, c)); }
+
 // ---- Math: CUDA's device overloads in the global namespace ----
 // glibc declares __expf / __logf itself: the fast-math intrinsics map to the accurate ones.
 #define __expf(x) expf(x)

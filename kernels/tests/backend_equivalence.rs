@@ -6,9 +6,15 @@
 //! Runs for the optimized CPU backend everywhere, and for the CUDA backend with feature
 //! `gpu-tests` (`tests/gpu/run.sh`; it fails, never skips, without a device).
 //!
-//! Tolerances (max |got − ref|): matmul 1e-3 · max(1, max|ref|) (same Q8 activations,
-//! other f32 summation order); norm, rope, silu 1e-5 relative; attention 2e-4; embedding,
-//! gathers, KV stores and transfers exact.
+//! The operations of the newer architectures too: K-quant weights beside 32-element
+//! formats in one product (both activation formats made from one input), projection
+//! biases, per-head norms in place, Gemma's embedding scale, GeGLU and sliding-window
+//! attention.
+//!
+//! Tolerances (max |got − ref|): matmul 1e-3 · max(1, max|ref|) (same Q8 / Q8K
+//! activations, other f32 summation order); norm (also in place), rope, silu, gelu 1e-5
+//! relative; attention 2e-4 (with or without a window); embedding, gathers, bias, scale,
+//! KV stores and transfers exact.
 
 use std::sync::Arc;
 
@@ -48,6 +54,14 @@ const SHAPE: AttnShape = AttnShape {
 };
 const DIM: usize = 128;
 const FFN: usize = 192;
+/// Columns of the K-quant products (one 256-value super-block per row).
+const KDIM: usize = 256;
+/// SHAPE with a 6-position window: the step's contexts are 5..=13 (A) and 7 (B), so A's
+/// first two queries see everything and the rest only the last six positions.
+const SWA: AttnShape = AttnShape {
+    window: Some(6),
+    ..SHAPE
+};
 
 /// A step of two sequences: A's 9-token prompt chunk after 4 stored tokens (blocks
 /// [5, 1, 3, 0] of 4), B's one decode token at position 6 (blocks [2, 4]); both want
@@ -67,6 +81,12 @@ struct Outputs {
     norm: Vec<f32>,
     qkv: [Vec<f32>; 3],
     float_product: Vec<f32>,
+    kquant_products: Vec<Vec<f32>>,
+    bias: Vec<f32>,
+    head_norm: Vec<f32>,
+    scaled: Vec<f32>,
+    gelu: Vec<f32>,
+    attention_swa: Vec<f32>,
     rope_q: Vec<f32>,
     kv_export: Vec<u8>,
     attention: Vec<f32>,
@@ -150,6 +170,40 @@ fn run<B: Backend>(b: &B) -> Outputs {
     ];
     b.matmul([&wf], &h, n, [&mut f], &mut scratch).unwrap();
     let float_product = b.to_host(&f, n * FFN).unwrap();
+    // Q4_K, Q5_K, Q6_K and Q5_0, Q5_1 weights of one input: Q8K and Q8 blocks of it side
+    // by side in the scratch. Row counts not a multiple of the 8 warps of a block.
+    let ktypes = [
+        (GgmlType::Q4_K, 40),
+        (GgmlType::Q5_K, 24),
+        (GgmlType::Q6_K, 33),
+        (GgmlType::Q5_0, 17),
+        (GgmlType::Q5_1, 9),
+    ];
+    let kw: Vec<_> = ktypes
+        .iter()
+        .map(|&(ty, rows)| b.load_weight(&matrix(&mut rng, ty, rows, KDIM)).unwrap())
+        .collect();
+    let kx = b.upload(&rng.vec(cap * KDIM, 2.0)).unwrap();
+    let mut kout: Vec<_> = ktypes.iter().map(|&(_, rows)| buf(rows)).collect();
+    let mut kscratch = b.scratch(cap * KDIM).unwrap();
+    {
+        let [o0, o1, o2, o3, o4] = &mut kout[..] else {
+            unreachable!()
+        };
+        b.matmul(
+            [&kw[0], &kw[1], &kw[2], &kw[3], &kw[4]],
+            &kx,
+            n,
+            [o0, o1, o2, o3, o4],
+            &mut kscratch,
+        )
+        .unwrap();
+    }
+    let kquant_products = kout
+        .iter()
+        .zip(&ktypes)
+        .map(|(o, &(_, rows))| b.to_host(o, n * rows).unwrap())
+        .collect();
     // From here on the reference's own values, so that each operation is compared on
     // identical inputs.
     let (qh, kh, vh) = (
@@ -158,6 +212,21 @@ fn run<B: Backend>(b: &B) -> Outputs {
         b.upload(&padded(&qkv[2], cap * kv_dim)).unwrap(),
     );
     (q, k, v) = (qh, kh, vh);
+    // Qwen2's projection bias, Qwen3's / Gemma 3's per-head norm of K, Gemma's embedding
+    // scale, on inputs of their own (the same on every backend: exact comparisons).
+    let mut biased = b.upload(&rng.vec(cap * q_dim, 3.0)).unwrap();
+    let qbias = b.upload(&rng.vec(q_dim, 1.0)).unwrap();
+    b.add_bias(&mut biased, &qbias, n).unwrap();
+    let bias = b.to_host(&biased, n * q_dim).unwrap();
+    let mut normed = b.upload(&rng.vec(cap * kv_dim, 3.0)).unwrap();
+    let head_w = b.upload(&rng.vec(SHAPE.head_dim, 1.0)).unwrap();
+    b.rmsnorm_in_place(&mut normed, &head_w, 1e-6, n * SHAPE.n_kv_heads)
+        .unwrap();
+    let head_norm = b.to_host(&normed, n * kv_dim).unwrap();
+    let mut scaled = b.upload(&rng.vec(cap * q_dim, 3.0)).unwrap();
+    b.scale(&mut scaled, (DIM as f32).sqrt(), n * q_dim)
+        .unwrap();
+    let scaled = b.to_host(&scaled, n * q_dim).unwrap();
     b.rope(&mut q, n, SHAPE.n_heads, SHAPE.head_dim, &st, &rope)
         .unwrap();
     b.rope(&mut k, n, SHAPE.n_kv_heads, SHAPE.head_dim, &st, &rope)
@@ -166,12 +235,17 @@ fn run<B: Backend>(b: &B) -> Outputs {
     b.kv_store(&mut kv, 1, &k, &v, &st, n).unwrap();
     b.attention(&SHAPE, &q, &st, &kv, 1, &mut att).unwrap();
     let attention = b.to_host(&att, n * q_dim).unwrap();
+    b.attention(&SWA, &q, &st, &kv, 1, &mut att).unwrap();
+    let attention_swa = b.to_host(&att, n * q_dim).unwrap();
     let mut kv_export = b"TKV1".to_vec();
     b.kv_gather(&kv, &[5, 1, 3, 0], 13, &mut kv_export).unwrap();
     b.kv_gather(&kv, &[2, 4], 7, &mut kv_export).unwrap();
     let mut up = b.upload(&rng.vec(cap * FFN, 2.0)).unwrap();
     b.silu_mul(&mut f, &up, n * FFN).unwrap();
     let silu = b.to_host(&f, n * FFN).unwrap();
+    let mut gate = b.upload(&rng.vec(cap * FFN, 4.0)).unwrap();
+    b.gelu_mul(&mut gate, &up, n * FFN).unwrap();
+    let gelu = b.to_host(&gate, n * FFN).unwrap();
     b.gather_wanted(&x, &st, 2, DIM, &mut last).unwrap();
     let gathered = b.to_host(&last, 2 * DIM).unwrap();
     // Shapes a caller gets wrong are errors, not out-of-bounds accesses.
@@ -194,6 +268,12 @@ fn run<B: Backend>(b: &B) -> Outputs {
         norm,
         qkv,
         float_product,
+        kquant_products,
+        bias,
+        head_norm,
+        scaled,
+        gelu,
+        attention_swa,
         rope_q,
         kv_export,
         attention,
@@ -230,6 +310,9 @@ fn compare(name: &str, got: &Outputs, want: &Outputs) {
         ("float matmul", &want.float_product),
         ("rope", &want.rope_q),
         ("attention", &want.attention),
+        ("windowed attention", &want.attention_swa),
+        ("per-head norm", &want.head_norm),
+        ("gelu", &want.gelu),
         ("silu", &want.silu),
         ("gathered", &want.gathered),
     ] {
@@ -261,6 +344,47 @@ fn compare(name: &str, got: &Outputs, want: &Outputs) {
         1e-5 * max_abs(&want.rope_q),
     );
     close("attention", &got.attention, &want.attention, 2e-4);
+    close(
+        "windowed attention",
+        &got.attention_swa,
+        &want.attention_swa,
+        2e-4,
+    );
+    // The window changed what the queries past it see (and not what the first two see).
+    let d = max_diff(&want.attention_swa, &want.attention);
+    assert!(d > 1e-2, "the window changed nothing ({d})");
+    let first_two = 2 * SHAPE.q_dim();
+    assert_eq!(
+        want.attention_swa[..first_two],
+        want.attention[..first_two],
+        "queries inside the window"
+    );
+    for (i, (g, w)) in got
+        .kquant_products
+        .iter()
+        .zip(&want.kquant_products)
+        .enumerate()
+    {
+        assert!(
+            w.iter().any(|x| x.abs() > 1e-3),
+            "K-quant product {i} all zeros"
+        );
+        close(&format!("K-quant product {i}"), g, w, 1e-3 * max_abs(w));
+    }
+    assert_eq!(got.bias, want.bias, "{name} add_bias");
+    assert_eq!(got.scaled, want.scaled, "{name} scale");
+    close(
+        "rmsnorm in place",
+        &got.head_norm,
+        &want.head_norm,
+        1e-5 * max_abs(&want.head_norm),
+    );
+    close(
+        "gelu_mul",
+        &got.gelu,
+        &want.gelu,
+        1e-5 * max_abs(&want.gelu),
+    );
     close(
         "silu_mul",
         &got.silu,

@@ -7,8 +7,13 @@
 //!   both sides (same Q8 / Q8K activation quantization, bit for bit); only the order of
 //!   the f32 sums over blocks differs (and the K-quants apply their scales per sub-block
 //!   in f32 where the reference combines them in i32 first).
-//! - rmsnorm, rope, silu_mul: 1e-5 relative; attention: 2e-4 absolute (values are O(1)).
-//! - embed, argmax, top-k, KV store / gather / scatter: exact.
+//! - rmsnorm (also in place, per head), rope, silu_mul, gelu_mul: 1e-5 relative (the sum
+//!   of squares runs in another order; a GPU's expf / tanhf are within 2 ulp);
+//!   attention: 2e-4 absolute (values are O(1); other summation order and expf), with and
+//!   without a sliding window.
+//! - embed, argmax, top-k, KV store / gather / scatter, add_bias, scale: exact (one f32
+//!   operation per element, or none). rmsnorm in place equals rmsnorm into another buffer
+//!   bit for bit (the same kernel arithmetic).
 #![cfg(feature = "gpu-tests")]
 
 use tandem_kernels::cuda::CudaKernels;
@@ -71,7 +76,8 @@ fn matmul_matches_reference_for_every_type_and_batch_size() {
             let cols = cols.next_multiple_of(ty.block_len());
             let w = encode(ty, &r.vec(rows * cols, 1.0), cols);
             let m = Matrix::new(ty, rows, cols, &w).unwrap();
-            for n_tok in [1, 3, 8, 16, 17, 64, 100] {
+            // 11: the second launch row of the warp-per-row kernels is partial.
+            for n_tok in [1, 3, 8, 11, 16, 17, 64, 100] {
                 let x = r.vec(n_tok * cols, 2.0);
                 let mut want = vec![0f32; n_tok * rows];
                 let mut got = vec![0f32; n_tok * rows];
@@ -127,6 +133,149 @@ fn norm_rope_and_swiglu_match_reference() {
     ScalarKernels.silu_mul(&mut a, &up).unwrap();
     g.silu_mul(&mut b, &up).unwrap();
     assert!(max_diff(&a, &b) <= 1e-5 * max_abs(&a).max(1.0), "silu_mul");
+}
+
+/// The element-wise operations of the newer architectures: per-head RMS norms of Q and K
+/// (rows are heads; head_dim 64, Gemma's 256, and rows longer than the 256-thread block),
+/// GeGLU, projection biases and Gemma's embedding scale.
+#[test]
+fn per_head_norm_geglu_bias_and_scale_match_reference() {
+    let g = gpu();
+    let d = g.device();
+    let mut r = Rng(5);
+    for (rows, dim) in [(5 * 9, 64), (3 * 4, 256), (3, 640)] {
+        let x = r.vec(rows * dim, 3.0);
+        let w = r.vec(dim, 1.0);
+        let (mut a, mut b) = (x.clone(), x.clone());
+        ScalarKernels.rmsnorm_in_place(&mut a, &w, 1e-6).unwrap();
+        g.rmsnorm_in_place(&mut b, &w, 1e-6).unwrap();
+        let dd = max_diff(&a, &b);
+        assert!(
+            dd <= 1e-5 * max_abs(&a).max(1.0),
+            "rmsnorm_in_place {rows}x{dim}: {dd}"
+        );
+        let mut c = vec![0f32; x.len()];
+        g.rmsnorm(&x, &w, 1e-6, &mut c).unwrap();
+        assert_eq!(
+            b, c,
+            "rmsnorm in place vs into another buffer, {rows}x{dim}"
+        );
+    }
+
+    let gate = r.vec(3 * 1536 + 17, 6.0);
+    let up = r.vec(gate.len(), 2.0);
+    let (mut a, mut b) = (gate.clone(), gate.clone());
+    ScalarKernels.gelu_mul(&mut a, &up).unwrap();
+    g.gelu_mul(&mut b, &up).unwrap();
+    let dd = max_diff(&a, &b);
+    assert!(dd <= 1e-5 * max_abs(&a).max(1.0), "gelu_mul: {dd}");
+
+    // Bias rows of 200 (not a multiple of the 256-thread block) over 7 rows: 6 blocks.
+    let (rows, width) = (7, 200);
+    let x = r.vec(rows * width + 50, 2.0);
+    let bias = r.vec(width, 1.0);
+    let mut xd = d.upload(&x).unwrap();
+    let bd = d.upload(&bias).unwrap();
+    d.add_bias(&mut xd.as_view_mut(), &bd.as_view(), rows)
+        .unwrap();
+    let got = d.download(&xd.as_view(), x.len()).unwrap();
+    let mut want = x.clone();
+    for (i, v) in want[..rows * width].iter_mut().enumerate() {
+        *v += bias[i % width];
+    }
+    assert_eq!(
+        got, want,
+        "add_bias (the 50 values past the rows untouched)"
+    );
+    assert!(
+        d.add_bias(&mut xd.as_view_mut(), &bd.as_view(), rows + 1)
+            .is_err()
+    );
+
+    let s = (640f32).sqrt();
+    let n = 1000;
+    d.scale(&mut xd.as_view_mut(), s, n).unwrap();
+    let got = d.download(&xd.as_view(), x.len()).unwrap();
+    want[..n].iter_mut().for_each(|v| *v *= s);
+    assert_eq!(got, want, "scale of the first {n} values");
+}
+
+/// Sliding-window attention (Gemma 3's local layers) in both kernels: windows shorter and
+/// longer than the K/V tile, queries whose context is still inside the window (they see
+/// everything) beside ones past it, in one prefill tile and as single decode queries.
+#[test]
+fn sliding_window_attention_matches_reference_in_decode_and_prefill() {
+    let g = gpu();
+    let mut r = Rng(6);
+    // head_dim 256 has 8-position K/V tiles in the prefill kernel, 64 has 32.
+    for (ty, n_heads, n_kv, hd) in [(GgmlType::F16, 4, 1, 256), (GgmlType::Q8_0, 6, 2, 64)] {
+        let (bt, n_blocks) = (16, 12);
+        let kv_dim = n_kv * hd;
+        let kdata = encode(ty, &r.vec(n_blocks * bt * kv_dim, 1.0), kv_dim);
+        let vdata = encode(ty, &r.vec(n_blocks * bt * kv_dim, 1.0), kv_dim);
+        let k = KvView {
+            ty,
+            data: &kdata,
+            block_tokens: bt,
+        };
+        let v = KvView {
+            ty,
+            data: &vdata,
+            block_tokens: bt,
+        };
+        let t1: Vec<u32> = vec![7, 2, 9, 0, 11, 4, 1];
+        let t2: Vec<u32> = vec![3, 10];
+        let t3: Vec<u32> = vec![5, 8, 6];
+        for window in [5, 40] {
+            let s = AttnShape {
+                n_heads,
+                n_kv_heads: n_kv,
+                head_dim: hd,
+                window: Some(window),
+            };
+            // A 20-token prompt from position 0 (queries inside and past a 5-window in
+            // one tile); a 30-token chunk at positions 30..60 (inside and past 40); single
+            // queries at n_ctx 3 (inside both) and 100 (past both, several 32-position
+            // chunks of the decode kernel for 40).
+            let mut queries: Vec<AttnQuery<'_>> = (1..=20)
+                .map(|n| AttnQuery {
+                    block_table: &t3,
+                    n_ctx: n,
+                })
+                .collect();
+            queries.extend((31..=60).map(|n| AttnQuery {
+                block_table: &t1,
+                n_ctx: n,
+            }));
+            queries.push(AttnQuery {
+                block_table: &t2,
+                n_ctx: 3,
+            });
+            let t4 = t1.clone();
+            queries.push(AttnQuery {
+                block_table: &t4,
+                n_ctx: 100,
+            });
+            let q = r.vec(queries.len() * s.q_dim(), 2.0);
+            let (mut a, mut b) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+            ScalarKernels
+                .attention(&s, &q, &queries, &k, &v, &mut a)
+                .unwrap();
+            g.attention(&s, &q, &queries, &k, &v, &mut b).unwrap();
+            let dd = max_diff(&a, &b);
+            assert!(dd <= 2e-4, "{ty} {s:?}: diff {dd}");
+            // The window mattered: without it the outputs of queries past it differ.
+            let full = AttnShape { window: None, ..s };
+            let mut c = vec![0f32; q.len()];
+            ScalarKernels
+                .attention(&full, &q, &queries, &k, &v, &mut c)
+                .unwrap();
+            assert!(
+                max_diff(&a, &c) > 1e-2,
+                "{ty} window {window} changed nothing"
+            );
+        }
+    }
 }
 
 /// A paged pool with a shuffled block table per sequence, attended by a mix of single

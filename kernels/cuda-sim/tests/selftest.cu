@@ -155,6 +155,24 @@ extern "C" __global__ void sim_intrinsics(const int* a, const int* b, const floa
     out[6 * t + 5] = min(a[t], b[t]) + max((unsigned)a[t] & 255u, 7u);
 }
 
+// The single-rounding float operations, one (a, b, c) triple per thread (out: 8 floats per
+// thread). The last two are the pair that tells them from a contracted expression:
+// __fadd_rn(__fmul_rn(a, b), c) rounds twice even where NVRTC would fuse a * b + c.
+extern "C" __global__ void sim_rounded_ops(const float* a, const float* b, const float* c, float* out, int n) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    float x = a[t], y = b[t], z = c[t];
+    float* o = out + 8 * t;
+    o[0] = __fadd_rn(x, y);
+    o[1] = __fsub_rn(x, y);
+    o[2] = __fmul_rn(x, y);
+    o[3] = __fdiv_rn(x, y);
+    o[4] = __fsqrt_rn(fabsf(x));
+    o[5] = __fmaf_rn(x, y, z);
+    o[6] = __fadd_rn(__fmul_rn(x, y), z);
+    o[7] = __fsub_rn(z, __fmul_rn(x, y));
+}
+
 // Half conversions: every f16 bit pattern to f32 (through common.cuh's h2f), and f32 bit
 // patterns to f16 (f2h).
 extern "C" __global__ void sim_halves(const unsigned* fbits, float* h2f_out, unsigned short* f2h_out, int n) {

@@ -336,11 +336,9 @@ __device__ void mmvq_k(const u8* W, u64 row_bytes, int rows, int nb, const Block
             if (t < nt) acc[t] += ksub_dot<TY>(wq, dlo, dhi, m, X + (u64)(t0 + t) * nb + b, j);
         }
     }
-#pragma unroll
-    for (int t = 0; t < MMV_T; t++) {
-        float v = warp_sum(acc[t]);
-        if (lane == 0 && t < nt) out[(u64)(t0 + t) * rows + row] = v;
-    }
+    // Only the nt sums there are (a butterfly of 5 shuffles per token reduced all MMV_T
+    // of them: 40 shuffles for a single decode token).
+    store_row_sums(acc, nt, lane, out + (u64)t0 * rows + row, rows);
 }
 
 // Many tokens: mmq's 64 x 64 tile, staging MQ_K sub-blocks of 32 per stage (thread t

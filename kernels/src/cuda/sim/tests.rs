@@ -1,10 +1,10 @@
 //! The executor's own tests: CUDA semantics of barriers, shuffles, ballot and atomics in
 //! every thread order; the defects it must report (divergent barriers, masks naming
 //! returned lanes or read outside, deadlocks, races, out-of-bounds and uninitialized
-//! reads); exact intrinsics and half conversions; the driver's rules (captures, modules,
-//! launch limits); and its refusal to stand in for a real driver. The kernels are
-//! `kernels/cuda-sim/tests/selftest.cu`, compiled by NVRTC and loaded through cudarc, so
-//! they take the path the real kernels take.
+//! reads); exact intrinsics, single-rounding float operations and half conversions; the
+//! driver's rules (captures, modules, launch limits); and its refusal to stand in for a
+//! real driver. The kernels are `kernels/cuda-sim/tests/selftest.cu`, compiled by NVRTC
+//! and loaded through cudarc, so they take the path the real kernels take.
 
 use std::sync::{Arc, OnceLock};
 
@@ -520,6 +520,85 @@ fn integer_intrinsics_and_float_to_int_rounding_are_exact() {
             fl[t]
         );
     }
+}
+
+#[test]
+fn rounded_float_operations_round_once_each_and_never_fuse() {
+    let s = sim(Order::Forward, true);
+    let f = s.func("sim_rounded_ops");
+    // Bit patterns across every exponent (subnormals, infinities and NaNs included), plus
+    // triples where a * b + c rounded twice differs from the fused result: (1 + 2^-12)^2
+    // = 1 + 2^-11 + 2^-24 rounds to 1 + 2^-11 (a tie to even), so adding -(1 + 2^-11)
+    // gives 0 where an fma gives 2^-24.
+    let mut st = 0x2545f4914f6cdd1du64;
+    let mut next = || {
+        st ^= st << 13;
+        st ^= st >> 7;
+        st ^= st << 17;
+        st as u32
+    };
+    let mut a: Vec<f32> = (0..1500).map(|_| f32::from_bits(next())).collect();
+    let mut b: Vec<f32> = (0..1500).map(|_| f32::from_bits(next())).collect();
+    // Operands of similar magnitude too, where the roundings matter most.
+    let mut c: Vec<f32> = (0..1500)
+        .map(|i| f32::from_bits((next() & 0x807f_ffff) | (120 + i as u32 % 16) << 23))
+        .collect();
+    for i in 0..500 {
+        a[i] = f32::from_bits((a[i].to_bits() & 0x807f_ffff) | (124 + i as u32 % 8) << 23);
+        b[i] = f32::from_bits((b[i].to_bits() & 0x807f_ffff) | (124 + i as u32 % 5) << 23);
+    }
+    let e = 1.0 + f32::EPSILON * 2048.0; // 1 + 2^-12
+    let specials = [
+        (e, e, -(1.0 + f32::EPSILON * 4096.0)),
+        (0.1, 10.0, -1.0),
+        (f32::MIN_POSITIVE, 0.5, 0.0),
+        (1e-45, 1e-45, -0.0),
+        (f32::MAX, 2.0, -f32::MAX),
+        (f32::INFINITY, 0.0, 1.0),
+        (f32::NAN, 1.0, 1.0),
+        (-0.0, 0.0, -0.0),
+        (3.0, 0.0, 7.0),
+    ];
+    for (i, (x, y, z)) in specials.into_iter().enumerate() {
+        (a[i * 7], b[i * 7], c[i * 7]) = (x, y, z);
+    }
+    let n = a.len();
+    let n32 = n as i32;
+    let (da, db, dc) = (s.up(&a), s.up(&b), s.up(&c));
+    let mut out = s.zeros::<f32>(8 * n);
+    s.launch(&f, (n as u32).div_ceil(128), 128, 0, |bb| {
+        bb.arg(&da).arg(&db).arg(&dc).arg(&mut out).arg(&n32);
+    })
+    .unwrap();
+    let got = s.down(&out);
+    let mut fused_differs = 0;
+    for t in 0..n {
+        let (x, y, z) = (a[t], b[t], c[t]);
+        // Rust's f32 operators are single IEEE operations, never contracted.
+        let want = [
+            x + y,
+            x - y,
+            x * y,
+            x / y,
+            x.abs().sqrt(),
+            x.mul_add(y, z),
+            x * y + z,
+            z - x * y,
+        ];
+        for (k, (g, w)) in got[8 * t..8 * t + 8].iter().zip(want).enumerate() {
+            assert!(
+                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                "operation {k} of ({x:e}, {y:e}, {z:e}): {g:e} ({:#010x}), want {w:e} ({:#010x})",
+                g.to_bits(),
+                w.to_bits()
+            );
+        }
+        fused_differs += usize::from(want[5].to_bits() != want[6].to_bits() && !want[5].is_nan());
+    }
+    // The inputs distinguish a fused multiply-add from the two roundings many times over.
+    assert_eq!(got[6], 0.0);
+    assert_eq!(got[5], f32::EPSILON / 2.0);
+    assert!(fused_differs > 100, "{fused_differs}");
 }
 
 #[test]

@@ -19,6 +19,7 @@
 //! and the tests that compare CUDA with CUDA run on a synthetic model
 //! ([`same_backend_model`]); every check keeps its meaning, and each change is printed.
 
+mod architectures;
 mod prefix;
 mod sampling;
 
