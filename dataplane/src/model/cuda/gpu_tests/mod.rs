@@ -100,6 +100,7 @@ fn same_backend_model() -> (PathBuf, u32) {
         embd_type: tandem_kernels::GgmlType::Q8_0,
         untied_output: false,
         seed: 18,
+        ..TinyLlama::default()
     };
     let path = TINY.get_or_init(|| {
         let bytes = m.to_bytes();
