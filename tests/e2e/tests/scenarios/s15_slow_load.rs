@@ -31,6 +31,13 @@ pub async fn run(env: &Env) -> Result<()> {
         json!({"requests": {"cpu": "10m", "memory": "128Mi"}, "limits": {"cpu": CPU_LIMIT}});
     s["spec"]["health"]["probePeriodSeconds"] = 2.into();
     s["spec"]["health"]["startupTimeoutSeconds"] = 600.into();
+    // The chat at the end is prefilled under the same 1 % of a CPU: while it computes, the
+    // prefill can stay silent (no PROGRESS) past the default 10 s KV timeout and miss its
+    // readiness probes past `coRestartAfterSeconds` — right for a healthy pod, and not what
+    // this scenario is about (CI runs saw `kv_timeout: no progress while waiting_kv`, and a
+    // MemberNotReady co-restart, ~20 s after Ready).
+    s["spec"]["transfer"]["kvTimeoutSeconds"] = 120.into();
+    s["spec"]["health"]["coRestartAfterSeconds"] = 300.into();
     let rec = PodRecorder::start(env, ns).await;
     env.kubectl.apply(ns, &yaml(&s)).await?;
     let applied = Instant::now();
@@ -85,7 +92,7 @@ pub async fn run(env: &Env) -> Result<()> {
         "a member was killed or deleted during the load: {changes:#?}"
     );
     let ip = pod_ip(&member(env, ns, name, 0, "decode").await?).context("decode IP")?;
-    chat(&ip, Duration::from_secs(60)).await?;
+    chat(&ip, Duration::from_secs(180)).await?;
 
     env.kubectl
         .ok(&["delete", "pdd", name, "-n", ns, "--wait=true"])
