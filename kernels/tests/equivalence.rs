@@ -128,8 +128,10 @@ fn batched_matmul_is_bit_identical_to_single_token() {
             let w = rng.vec(rows * cols, 0.5);
             let bytes = encode(ty, rows, cols, &w);
             let m = Matrix::new(ty, rows, cols, &bytes).unwrap();
-            // Tiles span 1 or 4 groups of 8 tokens: full, partial last group, remainders.
-            for n_tok in [2usize, 3, 7, 8, 9, 16, 17, 23, 29, 32, 35, 40] {
+            // Tiles span 1 or 4 groups of 8 tokens: full, partial last group, remainders;
+            // and both sides of every type's switch from the single-token kernel (3/4,
+            // 4/5, 5/6, 8/9 tokens).
+            for n_tok in [2usize, 3, 4, 5, 6, 7, 8, 9, 16, 17, 23, 29, 32, 35, 40] {
                 let x = rng.vec(n_tok * cols, 2.0);
                 for (name, k) in &ks {
                     let mut batch = vec![f32::NAN; n_tok * rows];
@@ -149,6 +151,52 @@ fn batched_matmul_is_bit_identical_to_single_token() {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+}
+
+/// One call with matrices whose types switch to the tiled kernel at different batch
+/// sizes (one input quantized both per token and interleaved): every token of every
+/// matrix gets the bits it gets alone.
+#[test]
+fn one_call_mixing_kernels_gives_every_matrix_its_own_bits() {
+    let mut rng = Rng(31);
+    let cols = 512;
+    let types = [
+        GgmlType::Q8_0,
+        GgmlType::Q5_0,
+        GgmlType::Q4_1,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ];
+    let bytes: Vec<Vec<u8>> = types
+        .iter()
+        .map(|&ty| encode(ty, 24, cols, &rng.vec(24 * cols, 0.5)))
+        .collect();
+    let ms: Vec<Matrix> = types
+        .iter()
+        .zip(&bytes)
+        .map(|(&ty, b)| Matrix::new(ty, 24, cols, b).unwrap())
+        .collect();
+    for n_tok in [4usize, 5, 6, 8, 9] {
+        let x = rng.vec(n_tok * cols, 2.0);
+        for (name, k) in &backends() {
+            let mut outs = vec![vec![f32::NAN; n_tok * 24]; ms.len()];
+            let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+            k.matmul(&ms, &x, n_tok, &mut views).unwrap();
+            for (j, m) in ms.iter().enumerate() {
+                for t in 0..n_tok {
+                    let mut one = vec![f32::NAN; 24];
+                    k.matmul(&[*m], &x[t * cols..(t + 1) * cols], 1, &mut [&mut one])
+                        .unwrap();
+                    let got: Vec<u32> = outs[j][t * 24..(t + 1) * 24]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect();
+                    let want: Vec<u32> = one.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, want, "{name} {} T={n_tok} t={t}", types[j]);
                 }
             }
         }

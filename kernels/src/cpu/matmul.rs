@@ -3,7 +3,7 @@
 //! its rows of every token straight into the outputs.
 //!
 //! Per matrix the kernel follows from its type's [`ActFormat`] and the batch size: the
-//! single-token kernels up to [`GEMV_MAX_TOKENS`] tokens, the tiled batch kernels above,
+//! single-token kernels up to [`gemv_max_tokens`] tokens (per type), the tiled batch kernels above,
 //! the portable loops without SIMD, decoded rows against f32 for float weights (and for
 //! every weight in exact mode). A token's result is the same bits whichever kernel runs.
 
@@ -11,19 +11,31 @@ use super::{CpuKernels, SCRATCH, grow};
 use crate::api::{Matrix, check_matmul};
 use crate::error::Result;
 use crate::quant::{ActRow, BlockQ8, BlockQ8K, quantize_act_row, quantize_act_row_k, vec_dot};
-use crate::types::{ActFormat, QK, QK_K};
+use crate::types::{ActFormat, GgmlType, QK, QK_K};
 
 #[cfg(target_arch = "x86_64")]
 use super::simd::{Interleaved, InterleavedK};
 
 /// Largest batch multiplied by the single-token kernel once per token (per group of 8
 /// weight rows, so the weights still come from memory once) rather than by the tiled
-/// batch kernel, which computes 8 token lanes however few are used. `bench_kernels`'
-/// "model matmuls" (SmolLM2 from DRAM, 2 threads): the tiled kernel takes 14–17 ms at
-/// T=2, 3 or 4 (and 7 ms at T=1); once per token takes 10, 12.5 and 15–16 ms. Both give
-/// every token the bits it gets alone.
+/// batch kernel, which computes 8 token lanes however few are used: the batch size where
+/// the tiled kernel's flat cost up to 8 tokens drops below T single-token products.
+/// Measured per type with `KERNEL=TYPE:1536x1536:T bench_kernels` (AVX-512, 2 threads,
+/// quiet machine, minimum of 100), single-token ms per token vs tiled ms at T = 4..8:
+/// Q8_0 0.029 vs 0.43 (and 0.21 at T = 9..16, the 16-lane tiles), Q5_0 0.045 vs 0.24,
+/// Q6_K 0.040 vs 0.21, Q4_K 0.039 vs 0.16. For Q4_0/Q4_1, SmolLM2's types, `bench_kernels`'
+/// "model matmuls" (from DRAM): the tiled kernel 14–17 ms at T=2, 3 or 4 (7 ms at T=1),
+/// once per token 10, 12.5 and 15–16 ms. Both kernels give every token the bits it gets
+/// alone, so the choice changes speed only.
 #[cfg(target_arch = "x86_64")]
-const GEMV_MAX_TOKENS: usize = 3;
+fn gemv_max_tokens(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q8_0 => 8,
+        GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q6_K => 5,
+        GgmlType::Q4_K | GgmlType::Q5_K => 4,
+        _ => 3,
+    }
+}
 
 /// One call's activations in every form its matrices consume: [`BlockQ8`] for the
 /// 32-element formats, [`BlockQ8K`] for the K-quants; per token (single-token kernels,
@@ -83,9 +95,20 @@ impl CpuKernels {
         act
     }
 
-    fn quantize(&self, fmt: ActFormat, x: &[f32], n_tok: usize, cols: usize, acts: &mut Acts) {
-        #[cfg(target_arch = "x86_64")]
-        let tiled = n_tok > GEMV_MAX_TOKENS;
+    /// Quantize `x` into the form `fmt`'s matrices need: interleaved for the tiled batch
+    /// kernels when `tiled`, per token otherwise (a call may need both: its matrices'
+    /// types choose their kernels one by one).
+    fn quantize(
+        &self,
+        fmt: ActFormat,
+        tiled: bool,
+        x: &[f32],
+        n_tok: usize,
+        cols: usize,
+        acts: &mut Acts,
+    ) {
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = tiled;
         match (self.simd, fmt) {
             #[cfg(target_arch = "x86_64")]
             (Some(s), ActFormat::Q8) if tiled => {
@@ -118,6 +141,19 @@ impl CpuKernels {
         }
     }
 
+    /// Whether `w` is multiplied by the tiled batch kernel for `n_tok` tokens.
+    fn tiled(&self, w: &Matrix<'_>, n_tok: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.simd.is_some() && n_tok > 1 && n_tok > gemv_max_tokens(w.ty)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (w, n_tok);
+            false
+        }
+    }
+
     /// Rows `r0..r0+nr` of `w` against every token into `out[t][i]` (one slice of `nr`
     /// per token).
     fn rows_task(&self, w: &Matrix<'_>, r0: usize, acts: &Acts, x: &[f32], out: &mut [&mut [f32]]) {
@@ -128,12 +164,16 @@ impl CpuKernels {
             if let Some(s) = self.simd {
                 match fmt {
                     Some(ActFormat::Q8) => match &acts.il {
-                        Some(il) => s.gemm_rows(w, r0, il, &mut sc.tile, out, self.avx512),
-                        None => s.gemv_tokens(w, r0, &acts.q8, out, self.avx512),
+                        Some(il) if self.tiled(w, out.len()) => {
+                            s.gemm_rows(w, r0, il, &mut sc.tile, out, self.avx512)
+                        }
+                        _ => s.gemv_tokens(w, r0, &acts.q8, out, self.avx512),
                     },
                     Some(ActFormat::Q8K) => match &acts.ilk {
-                        Some(il) => s.gemm_rows_kquant(w, r0, il, &mut sc.tile_k, out, self.avx512),
-                        None => s.gemv_tokens_kquant(w, r0, &acts.q8k, out),
+                        Some(il) if self.tiled(w, out.len()) => {
+                            s.gemm_rows_kquant(w, r0, il, &mut sc.tile_k, out, self.avx512)
+                        }
+                        _ => s.gemv_tokens_kquant(w, r0, &acts.q8k, out),
                     },
                     None => self.float_rows(w, r0, x, &mut sc.f, out),
                 }
@@ -204,8 +244,13 @@ impl CpuKernels {
         }
         let mut acts = Acts::default();
         for fmt in [ActFormat::Q8, ActFormat::Q8K] {
-            if ws.iter().any(|w| self.act_format(w) == Some(fmt)) {
-                self.quantize(fmt, x, n_tok, cols, &mut acts);
+            for tiled in [false, true] {
+                if ws
+                    .iter()
+                    .any(|w| self.act_format(w) == Some(fmt) && self.tiled(w, n_tok) == tiled)
+                {
+                    self.quantize(fmt, tiled, x, n_tok, cols, &mut acts);
+                }
             }
         }
         if n_tok == 1 {
