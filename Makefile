@@ -19,7 +19,17 @@ export IMAGE_REGISTRY ?= ghcr.io/tandem
 ## the Helm chart and manifests, the images (built without a daemon), the end-to-end suite
 ## on a real cluster). e2e-deps comes first: the Go build of the Kubernetes components
 ## peaks at ~5 GB of caches, removed before the Rust builds fill target/.
-test: e2e-deps lint crd-check pyenv kernel-fixtures-check model unit validate-crd chart-check image-check cuda-check cuda-sim e2e
+## Each step is its own make run, timed; the times are printed as they end and together at
+## the end (target/test-times.txt), so a slow CI run says where its time went.
+TEST_STEPS = e2e-deps lint crd-check pyenv kernel-fixtures-check model unit validate-crd chart-check image-check cuda-check cuda-sim e2e
+test:
+	@mkdir -p target && : > target/test-times.txt; start=$$(date +%s); \
+	for step in $(TEST_STEPS); do \
+	  t=$$(date +%s); \
+	  $(MAKE) --no-print-directory $$step || { echo "test: $$step FAILED after $$(( $$(date +%s) - t )) s" >&2; exit 1; }; \
+	  echo "test: $$step took $$(( $$(date +%s) - t )) s" | tee -a target/test-times.txt; \
+	done; \
+	echo "test: all steps passed in $$(( $$(date +%s) - start )) s:"; sed 's/^test: /  /' target/test-times.txt
 
 # Without rustfmt or clippy (a toolchain lacking the component) the rest of `make test`
 # still runs, and one line says what was skipped. The e2e scenarios are not a `cargo test`

@@ -459,7 +459,40 @@ impl Drop for PodRecorder {
     }
 }
 
-/// Print a figure line the report quotes (stdout of the suite).
+/// What a scenario says (figures, events), kept until it ends: two lanes of scenarios run
+/// side by side, and each scenario's lines are printed together with its result.
+#[derive(Default, Clone)]
+pub struct Said(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Said {
+    pub fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+tokio::task_local! {
+    static SAID: Said;
+}
+
+/// Run `f` with what it says kept in `said` (see [`say`]).
+pub async fn capture<F: std::future::Future>(said: &Said, f: F) -> F::Output {
+    SAID.scope(said.clone(), f).await
+}
+
+/// One line of the suite's report: kept with the scenario that says it (printed when it
+/// ends), printed at once outside a scenario (or from a task it spawned).
+pub fn say(line: String) {
+    let kept = SAID.try_with(|s| {
+        s.0.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(line.clone())
+    });
+    if kept.is_err() {
+        println!("{line}");
+    }
+}
+
+/// A figure line the report quotes (stdout of the suite).
 pub fn figure(what: &str, value: impl std::fmt::Display) {
-    println!("    figure: {what}: {value}");
+    say(format!("    figure: {what}: {value}"));
 }

@@ -1,7 +1,14 @@
 //! The end-to-end scenarios on a real cluster (see `tandem_e2e` for what is real). One
 //! environment is started for the whole run, with Tandem installed by `helm install`;
-//! scenarios run one after another, each in its own namespace, all served by the chart's
-//! operator.
+//! each scenario runs in its own namespace, all served by the chart's operator.
+//!
+//! Order: two lanes first, side by side — the long, mostly waiting scenarios of
+//! [`Lane::Beside`] (a load under a 1 % CPU limit, a rolling update) beside the
+//! [`Lane::Main`] ones, one after another in each lane — then the [`Lane::Alone`] ones, one
+//! at a time with nothing beside them, because they change what every scenario depends on
+//! (a node lost, the operator's leader killed, the operator upgraded or uninstalled, the
+//! operator's logs read for forbidden answers). A scenario's lines are printed together
+//! when it ends, so the two lanes' output does not interleave.
 //!
 //! `cargo test -p tandem-e2e --test scenarios -- [FILTER…]` runs the scenarios whose name
 //! contains any FILTER (all without one). Logs: `target/e2e/` (`logs/`: control plane,
@@ -40,68 +47,126 @@ use tandem_e2e::env::Env;
 
 type ScenarioFn = for<'a> fn(&'a Env) -> Pin<Box<dyn Future<Output = anyhow::Result<()>> + 'a>>;
 
-/// Name, time limit, body.
-const SCENARIOS: &[(&str, Duration, ScenarioFn)] = &[
-    ("s01_example_serves", Duration::from_secs(300), |e| {
-        Box::pin(s01_example::run(e))
-    }),
-    ("s02_decode_killed", Duration::from_secs(300), |e| {
-        Box::pin(s02_decode_killed::run(e))
-    }),
-    ("s03_prefill_stopped", Duration::from_secs(300), |e| {
-        Box::pin(s03_prefill_stopped::run(e))
-    }),
-    ("s04_rolling_update", Duration::from_secs(420), |e| {
-        Box::pin(s04_rolling::run(e))
-    }),
-    ("s05_scale", Duration::from_secs(300), |e| {
+/// Where a scenario runs (see the module header).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Lane {
+    /// One after another, beside the `Beside` lane.
+    Main,
+    /// One after another, beside the `Main` lane: scenarios that mostly wait.
+    Beside,
+    /// After both lanes, one at a time, nothing beside it.
+    Alone,
+}
+
+/// Name, lane, time limit, body.
+type Scenario = (&'static str, Lane, Duration, ScenarioFn);
+
+const SCENARIOS: &[Scenario] = &[
+    (
+        "s01_example_serves",
+        Lane::Main,
+        Duration::from_secs(300),
+        |e| Box::pin(s01_example::run(e)),
+    ),
+    (
+        "s02_decode_killed",
+        Lane::Main,
+        Duration::from_secs(300),
+        |e| Box::pin(s02_decode_killed::run(e)),
+    ),
+    (
+        "s03_prefill_stopped",
+        Lane::Main,
+        Duration::from_secs(300),
+        |e| Box::pin(s03_prefill_stopped::run(e)),
+    ),
+    (
+        "s04_rolling_update",
+        Lane::Beside,
+        Duration::from_secs(420),
+        |e| Box::pin(s04_rolling::run(e)),
+    ),
+    ("s05_scale", Lane::Main, Duration::from_secs(300), |e| {
         Box::pin(s05_scale::run(e))
     }),
-    ("s06_node_lost", Duration::from_secs(360), |e| {
-        Box::pin(s06_node_lost::run(e))
-    }),
-    ("s07_delete_recreate", Duration::from_secs(300), |e| {
-        Box::pin(s07_delete_recreate::run(e))
-    }),
-    ("s08_leader_election", Duration::from_secs(300), |e| {
-        Box::pin(s08_leader::run(e))
-    }),
-    ("s10_validation", Duration::from_secs(120), |e| {
-        Box::pin(s10_validation::run(e))
-    }),
-    ("s11_prefill_killed", Duration::from_secs(300), |e| {
-        Box::pin(s11_prefill_killed::run(e))
-    }),
-    ("s12_network_policy", Duration::from_secs(300), |e| {
-        Box::pin(s12_network_policy::run(e))
-    }),
-    ("s13_partition", Duration::from_secs(240), |e| {
+    (
+        "s06_node_lost",
+        Lane::Alone,
+        Duration::from_secs(360),
+        |e| Box::pin(s06_node_lost::run(e)),
+    ),
+    (
+        "s07_delete_recreate",
+        Lane::Main,
+        Duration::from_secs(300),
+        |e| Box::pin(s07_delete_recreate::run(e)),
+    ),
+    (
+        "s08_leader_election",
+        Lane::Alone,
+        Duration::from_secs(300),
+        |e| Box::pin(s08_leader::run(e)),
+    ),
+    (
+        "s10_validation",
+        Lane::Main,
+        Duration::from_secs(120),
+        |e| Box::pin(s10_validation::run(e)),
+    ),
+    (
+        "s11_prefill_killed",
+        Lane::Main,
+        Duration::from_secs(300),
+        |e| Box::pin(s11_prefill_killed::run(e)),
+    ),
+    (
+        "s12_network_policy",
+        Lane::Main,
+        Duration::from_secs(300),
+        |e| Box::pin(s12_network_policy::run(e)),
+    ),
+    ("s13_partition", Lane::Main, Duration::from_secs(240), |e| {
         Box::pin(s13_partition::run(e))
     }),
-    ("s14_sigterm", Duration::from_secs(300), |e| {
+    ("s14_sigterm", Lane::Main, Duration::from_secs(300), |e| {
         Box::pin(s14_sigterm::run(e))
     }),
-    ("s15_slow_load", Duration::from_secs(600), |e| {
-        Box::pin(s15_slow_load::run(e))
-    }),
-    ("s16_oom_killed", Duration::from_secs(360), |e| {
-        Box::pin(s16_oom_killed::run(e))
-    }),
-    ("s17_placement", Duration::from_secs(300), |e| {
+    (
+        "s15_slow_load",
+        Lane::Beside,
+        Duration::from_secs(600),
+        |e| Box::pin(s15_slow_load::run(e)),
+    ),
+    (
+        "s16_oom_killed",
+        Lane::Main,
+        Duration::from_secs(360),
+        |e| Box::pin(s16_oom_killed::run(e)),
+    ),
+    ("s17_placement", Lane::Main, Duration::from_secs(300), |e| {
         Box::pin(s17_placement::run(e))
     }),
     // After every scenario the chart's operator served before the upgrade replaces it:
     // its replicas' logs are still on the nodes.
-    ("s09_manifests_rbac", Duration::from_secs(180), |e| {
-        Box::pin(s09_manifests_rbac::run(e))
-    }),
-    ("s18_helm_upgrade", Duration::from_secs(600), |e| {
-        Box::pin(s18_helm_upgrade::run(e))
-    }),
+    (
+        "s09_manifests_rbac",
+        Lane::Alone,
+        Duration::from_secs(180),
+        |e| Box::pin(s09_manifests_rbac::run(e)),
+    ),
+    (
+        "s18_helm_upgrade",
+        Lane::Alone,
+        Duration::from_secs(600),
+        |e| Box::pin(s18_helm_upgrade::run(e)),
+    ),
     // Last: it removes the operator.
-    ("s19_helm_uninstall", Duration::from_secs(300), |e| {
-        Box::pin(s19_helm_uninstall::run(e))
-    }),
+    (
+        "s19_helm_uninstall",
+        Lane::Alone,
+        Duration::from_secs(300),
+        |e| Box::pin(s19_helm_uninstall::run(e)),
+    ),
 ];
 
 /// `/proc/loadavg`'s first three fields: timings mean little on a loaded machine.
@@ -122,15 +187,61 @@ async fn remove_leftovers(env: &Env, scenario: &str) {
         .await;
 }
 
+/// Run a lane's scenarios one after another: (passed, failed).
+async fn run_lane(env: &Env, scenarios: Vec<&Scenario>) -> (usize, usize) {
+    let (mut passed, mut failed) = (0, 0);
+    for scenario in scenarios {
+        if run_one(env, scenario).await {
+            passed += 1;
+        } else {
+            failed += 1;
+        }
+    }
+    (passed, failed)
+}
+
+/// Run one scenario within its time limit; print what it said, then its result line.
+async fn run_one(env: &Env, (name, _, limit, body): &Scenario) -> bool {
+    let said = common::Said::default();
+    let t = Instant::now();
+    let guarded = AssertUnwindSafe(body(env)).catch_unwind();
+    let outcome = tokio::time::timeout(*limit, common::capture(&said, guarded)).await;
+    let secs = t.elapsed().as_secs_f64();
+    let ok = matches!(outcome, Ok(Ok(Ok(()))));
+    if !ok {
+        remove_leftovers(env, name).await;
+    }
+    let result = match outcome {
+        Ok(Ok(Ok(()))) => format!("test {name} ... ok ({secs:.1}s)"),
+        Ok(Ok(Err(e))) => format!("test {name} ... FAILED ({secs:.1}s)\n{e:#}\n"),
+        Ok(Err(panic)) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            format!("test {name} ... FAILED ({secs:.1}s): panicked: {what}")
+        }
+        Err(_) => format!("test {name} ... FAILED: over its {limit:?} limit"),
+    };
+    for line in said.take() {
+        println!("{line}");
+    }
+    println!("{result}");
+    ok
+}
+
 fn main() -> ExitCode {
     let filters: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let selected: Vec<_> = SCENARIOS
+    let selected: Vec<&Scenario> = SCENARIOS
         .iter()
-        .filter(|(name, _, _)| filters.is_empty() || filters.iter().any(|f| name.contains(f)))
+        .filter(|(name, _, _, _)| filters.is_empty() || filters.iter().any(|f| name.contains(f)))
         .collect();
+    let beside = selected.iter().filter(|s| s.1 == Lane::Beside).count();
+    let alone = selected.iter().filter(|s| s.1 == Lane::Alone).count();
     let exec = std::path::PathBuf::from(env!("CARGO_BIN_EXE_e2e-exec"));
     // First of all: into the run's own network, mount and PID namespaces (re-executes
     // this program there).
@@ -154,7 +265,10 @@ fn main() -> ExitCode {
         .build()
         .expect("tokio runtime");
     rt.block_on(async move {
-        println!("running {} e2e scenarios", selected.len());
+        println!(
+            "running {} e2e scenarios ({beside} in a lane beside the others, then {alone} alone)",
+            selected.len()
+        );
         let level = tandem_e2e::cluster::pod_security_level();
         if level != "restricted" {
             println!("WARNING: TANDEM_E2E_POD_SECURITY={level}: namespaces are NOT restricted; this run proves less than the suite promises");
@@ -176,39 +290,16 @@ fn main() -> ExitCode {
             env.install_took.as_secs_f64(),
             load_average()
         );
-        let (mut passed, mut failed) = (0, 0);
-        for (name, limit, body) in &selected {
-            let t = Instant::now();
-            let guarded = AssertUnwindSafe(body(&env)).catch_unwind();
-            let outcome = tokio::time::timeout(*limit, guarded).await;
-            let secs = t.elapsed().as_secs_f64();
-            if !matches!(outcome, Ok(Ok(Ok(())))) {
-                remove_leftovers(&env, name).await;
-            }
-            match outcome {
-                Ok(Ok(Ok(()))) => {
-                    passed += 1;
-                    println!("test {name} ... ok ({secs:.1}s)");
-                }
-                Ok(Ok(Err(e))) => {
-                    failed += 1;
-                    println!("test {name} ... FAILED ({secs:.1}s)\n{e:#}\n");
-                }
-                Ok(Err(panic)) => {
-                    failed += 1;
-                    let what = panic
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default();
-                    println!("test {name} ... FAILED ({secs:.1}s): panicked: {what}");
-                }
-                Err(_) => {
-                    failed += 1;
-                    println!("test {name} ... FAILED: over its {limit:?} limit");
-                }
-            }
-        }
+        // Both lanes, side by side, then the scenarios that run alone.
+        let in_lane = |lane: Lane| -> Vec<&Scenario> {
+            selected.iter().copied().filter(|s| s.1 == lane).collect()
+        };
+        let ((p1, f1), (p2, f2)) = tokio::join!(
+            run_lane(&env, in_lane(Lane::Main)),
+            run_lane(&env, in_lane(Lane::Beside))
+        );
+        let (p3, f3) = run_lane(&env, in_lane(Lane::Alone)).await;
+        let (passed, failed) = (p1 + p2 + p3, f1 + f2 + f3);
         env.stop().await;
         println!(
             "e2e total {:.1}s (load average {}); logs in {}",

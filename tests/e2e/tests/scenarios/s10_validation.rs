@@ -117,7 +117,7 @@ pub async fn run(env: &Env) -> Result<()> {
         messages.push(format!("{what}: {msg}"));
     }
     for m in &messages {
-        println!("    rejected: {m}");
+        say(format!("    rejected: {m}"));
     }
 
     // The boundary: the longest valid name is accepted (a server-side dry run).

@@ -115,7 +115,7 @@ pub async fn run(env: &Env) -> Result<()> {
         note.contains("exit code 137"),
         "the MemberFailed event does not carry the kubelet's exit code: {note}"
     );
-    println!("    event: MemberFailed {note}");
+    say(format!("    event: MemberFailed {note}"));
     let ip = pod_ip(&member(env, ns, name, 0, "decode").await?).context("decode IP")?;
     chat(&ip, Duration::from_secs(60)).await?;
 

@@ -65,7 +65,7 @@ pub async fn run(env: &Env) -> Result<()> {
         },
     )
     .await?;
-    println!("    event: MemberFailed {note}");
+    say(format!("    event: MemberFailed {note}"));
     // The status records the co-restart too (written after the Event, in the same
     // reconcile or the next).
     wait::until(
