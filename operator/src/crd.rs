@@ -70,6 +70,10 @@ pub const GROUP: &str = "tandem.dev";
     )
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": args_rules::KV_DTYPE_PAIR_RULE,
+    "message": args_rules::KV_DTYPE_PAIR_MESSAGE
+}]))]
 pub struct PDDeploymentSpec {
     /// The model every pod serves.
     pub model: ModelSpec,
@@ -136,6 +140,7 @@ fn default_mount_path() -> String {
 /// Replicas per group, pod template and extra dataplane arguments of one role.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = args_rules::role_spec)]
 pub struct RoleSpec {
     /// Pods of this role in every group.
     #[serde(default = "default_replicas")]
@@ -705,6 +710,8 @@ pub mod annotations {
     /// (one group at a time, like a rollout).
     pub const RESTART_REQUESTED_AT: &str = "tandem.dev/restart-requested-at";
 }
+
+pub mod args_rules;
 
 #[cfg(test)]
 mod tests;

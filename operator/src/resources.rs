@@ -273,10 +273,15 @@ pub fn operator_flags() -> Vec<String> {
     contract::settings::reserved()
 }
 
-/// A spec whose `prefill.args` or `decode.args` repeat an [`operator_flags`] flag: its
-/// pods would exit at once (`the argument '--port' cannot be used multiple times`). The
-/// error names the field and where the value belongs.
+/// A spec whose members could never start or never pair (the CRD's rules say the same at
+/// admission: `crd::args_rules`): `prefill.args` or `decode.args` repeating an
+/// [`operator_flags`] flag (its pods would exit at once: `the argument '--port' cannot be
+/// used multiple times`), `--kv-dtype` given as two arguments, or a KV dtype that differs
+/// between the roles, in `args` or in the `TANDEM_KV_DTYPE` variable of their templates
+/// (the decode receives the prefill's KV in the prefill's layout; the handshake would
+/// refuse the pair once both had loaded the model). The error names the field.
 pub fn check_role_args(spec: &PDDeploymentSpec) -> Result<(), String> {
+    use crate::crd::args_rules::KV_DTYPE_FLAG;
     let reserved = operator_flags();
     for (role, r) in [("prefill", &spec.prefill), ("decode", &spec.decode)] {
         for (i, a) in r.args.iter().enumerate() {
@@ -286,7 +291,41 @@ pub fn check_role_args(spec: &PDDeploymentSpec) -> Result<(), String> {
                     "spec.{role}.args[{i}]: {flag} is set by the operator (from spec.model, spec.transfer, spec.health and the group) and may not be repeated; remove it"
                 ));
             }
+            if a == KV_DTYPE_FLAG {
+                return Err(format!(
+                    "spec.{role}.args[{i}]: write {KV_DTYPE_FLAG} as one argument, {KV_DTYPE_FLAG}=VALUE: prefill and decode must agree on it, which is checked in that form"
+                ));
+            }
         }
+    }
+    let dtype_args = |r: &crate::crd::RoleSpec| -> Vec<String> {
+        let prefix = format!("{KV_DTYPE_FLAG}=");
+        r.args
+            .iter()
+            .filter(|a| a.starts_with(&prefix))
+            .cloned()
+            .collect()
+    };
+    if dtype_args(&spec.prefill) != dtype_args(&spec.decode) {
+        return Err(format!(
+            "spec.prefill.args and spec.decode.args must give the same {KV_DTYPE_FLAG} (or neither): prefill {:?}, decode {:?}; the decode receives the prefill's KV cache in the prefill's layout, and the handshake refuses a pair that differs",
+            dtype_args(&spec.prefill),
+            dtype_args(&spec.decode)
+        ));
+    }
+    let dtype_env = |r: &crate::crd::RoleSpec| -> Option<String> {
+        r.template
+            .env
+            .iter()
+            .find(|e| e.name == "TANDEM_KV_DTYPE")
+            .map(|e| e.value.clone().unwrap_or_else(|| "<valueFrom>".into()))
+    };
+    if dtype_env(&spec.prefill) != dtype_env(&spec.decode) {
+        return Err(format!(
+            "spec.prefill.template.env and spec.decode.template.env must set TANDEM_KV_DTYPE alike (or neither): prefill {:?}, decode {:?}; the decode receives the prefill's KV cache in the prefill's layout",
+            dtype_env(&spec.prefill),
+            dtype_env(&spec.decode)
+        ));
     }
     Ok(())
 }

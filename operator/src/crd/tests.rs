@@ -293,3 +293,40 @@ fn pod_spec_fields_are_schema_checked_and_the_crd_fits_client_side_apply() {
         );
     }
 }
+
+#[test]
+fn the_roles_args_are_bounded_and_ruled_at_admission() {
+    let crd = serde_json::to_value(crd()).unwrap();
+    let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+    assert_eq!(
+        spec["x-kubernetes-validations"][0]["rule"],
+        super::args_rules::KV_DTYPE_PAIR_RULE
+    );
+    for role in ["prefill", "decode"] {
+        let r = &spec["properties"][role];
+        let args = &r["properties"]["args"];
+        assert_eq!(args["maxItems"], super::args_rules::MAX_ARGS, "{role}");
+        assert_eq!(
+            args["items"]["maxLength"],
+            super::args_rules::MAX_ARG_LENGTH,
+            "{role}"
+        );
+        let rules = r["x-kubernetes-validations"]
+            .as_array()
+            .expect("rules on the role");
+        let reserved = rules[0]["rule"].as_str().unwrap();
+        for flag in crate::resources::operator_flags() {
+            assert!(
+                reserved.contains(&format!("'{flag}'")),
+                "{role}: {flag} not in {reserved}"
+            );
+        }
+        assert_eq!(rules[0]["fieldPath"], ".args");
+        assert!(
+            rules[1]["rule"]
+                .as_str()
+                .unwrap()
+                .contains("a == '--kv-dtype'")
+        );
+    }
+}

@@ -597,6 +597,41 @@ fn startup_timeout_is_part_of_the_revision() {
 }
 
 #[test]
+fn a_kv_dtype_the_roles_do_not_share_is_refused_by_field() {
+    let mut s = crate::testutil::spec(1);
+    s.prefill.args = vec!["--kv-dtype=q8_0".into()];
+    let e = check_role_args(&s).unwrap_err();
+    assert!(
+        e.starts_with("spec.prefill.args and spec.decode.args must give the same --kv-dtype")
+            && e.contains(r#"prefill ["--kv-dtype=q8_0"], decode []"#),
+        "{e}"
+    );
+    s.decode.args = vec!["--max-batch=8".into(), "--kv-dtype=q8_0".into()];
+    check_role_args(&s).unwrap();
+    s.decode.args = vec!["--kv-dtype".into(), "q8_0".into()];
+    assert!(
+        check_role_args(&s)
+            .unwrap_err()
+            .starts_with("spec.decode.args[0]: write --kv-dtype as one argument"),
+    );
+    s.decode.args = vec!["--kv-dtype=q8_0".into()];
+    s.decode.template.env = vec![k8s_openapi::api::core::v1::EnvVar {
+        name: "TANDEM_KV_DTYPE".into(),
+        value: Some("f16".into()),
+        ..Default::default()
+    }];
+    let e = check_role_args(&s).unwrap_err();
+    assert!(
+        e.starts_with(
+            "spec.prefill.template.env and spec.decode.template.env must set TANDEM_KV_DTYPE alike"
+        ) && e.contains(r#"prefill None, decode Some("f16")"#),
+        "{e}"
+    );
+    s.prefill.template.env = s.decode.template.env.clone();
+    check_role_args(&s).unwrap();
+}
+
+#[test]
 fn args_that_repeat_an_operator_flag_are_refused_by_field() {
     let mut s = crate::testutil::spec(1);
     s.decode.args = vec!["--max-batch".into(), "32".into()];

@@ -1,6 +1,8 @@
 //! Scenario 10: resources the operator could never serve are refused by the API server
 //! itself (the CRD's OpenAPI bounds and CEL rules), each with a message that names what is
-//! wrong; the longest valid name is accepted.
+//! wrong — among them role `args` whose pods could never start (an operator flag repeated)
+//! or never pair (a KV dtype only one role sets); the longest valid name, and roles that
+//! agree on a KV dtype, are accepted.
 
 use anyhow::{Result, ensure};
 use serde_json::{Value, json};
@@ -91,6 +93,33 @@ pub async fn run(env: &Env) -> Result<()> {
             &["bootstrapTimeoutSeconds", "greater than or equal to 1"],
         ),
         (
+            "args repeating an operator flag",
+            with(
+                good.clone(),
+                &["spec", "decode", "args"],
+                json!(["--max-batch=8", "--port=9000"]),
+            ),
+            &["spec.decode.args", "--port", "may not repeat"],
+        ),
+        (
+            "a KV dtype only the prefill sets",
+            with(
+                good.clone(),
+                &["spec", "prefill", "args"],
+                json!(["--kv-dtype=q8_0"]),
+            ),
+            &["spec.prefill.args and spec.decode.args", "--kv-dtype"],
+        ),
+        (
+            "--kv-dtype as two arguments",
+            with(
+                good.clone(),
+                &["spec", "prefill", "args"],
+                json!(["--kv-dtype", "q8_0"]),
+            ),
+            &["spec.prefill.args", "--kv-dtype=VALUE"],
+        ),
+        (
             "a negative co-restart window",
             with(
                 good.clone(),
@@ -126,7 +155,7 @@ pub async fn run(env: &Env) -> Result<()> {
         .take(MAX_NAME - 1)
         .chain(std::iter::once('z'))
         .collect();
-    let obj = with(good, &["metadata", "name"], json!(name));
+    let obj = with(good.clone(), &["metadata", "name"], json!(name));
     let out = env
         .kubectl
         .run_with(
@@ -137,6 +166,28 @@ pub async fn run(env: &Env) -> Result<()> {
     ensure!(
         out.success,
         "a {MAX_NAME}-character name was refused: {}",
+        out.stderr.trim()
+    );
+    // And roles that agree on a KV dtype other than the default, with other args.
+    let both = with(
+        with(
+            good,
+            &["spec", "prefill", "args"],
+            json!(["--kv-dtype=q8_0"]),
+        ),
+        &["spec", "decode", "args"],
+        json!(["--max-batch=8", "--kv-dtype=q8_0"]),
+    );
+    let out = env
+        .kubectl
+        .run_with(
+            &["apply", "--dry-run=server", "-n", ns, "-f", "-"],
+            Some(&yaml(&both)),
+        )
+        .await?;
+    ensure!(
+        out.success,
+        "roles agreeing on --kv-dtype=q8_0 were refused: {}",
         out.stderr.trim()
     );
     Ok(())
