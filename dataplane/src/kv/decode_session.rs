@@ -57,8 +57,9 @@ use super::{DecodeError, Decoded, FailCode, Header, Message, MsgType, PdTimings,
 
 /// How long to wait before handshaking again with a prefill that no connection reaches.
 pub const UNREACHABLE_RETRY: Duration = Duration::from_millis(200);
-/// Earlier handshake attempts remembered (their HELLO went out and timed out), so that a
-/// late WELCOME answering one of them is told apart from a failed proof of the key.
+/// Earlier handshake attempts remembered (their HELLO went out, then the attempt ended),
+/// so that a late WELCOME answering one of them is told apart from a failed proof of the
+/// key or an unexpected message.
 const STALE_ATTEMPTS: usize = 4;
 
 /// What a [`DecodeSession`] is made with.
@@ -106,7 +107,8 @@ pub struct DecodeSession {
     /// The session ended because the prefill stopped answering (the deadline passed);
     /// until a handshake succeeds again, new rooms fail at once.
     unresponsive: bool,
-    /// Handshake attempts that timed out since the last session (newest last).
+    /// Handshake attempts ended since the last session, whose WELCOME may still come
+    /// (newest last).
     stale_attempts: std::collections::VecDeque<Initiator>,
     /// The incarnation of the last prefill authenticated, kept across a closed connection
     /// so that a replacement process is still counted and logged as a restart.
@@ -232,8 +234,18 @@ impl DecodeSession {
         }
     }
 
+    /// End the handshake attempt (or the session) and try again at `at`. An attempt whose
+    /// HELLO went out is remembered: its WELCOME may still come (a paused prefill reads
+    /// every HELLO at once when it resumes), and is then dropped as stale, not taken for
+    /// a forgery or an unexpected message.
     fn retry(&mut self, at: Instant) {
-        self.handshake = Handshake::Idle { retry_at: at };
+        let ended = std::mem::replace(&mut self.handshake, Handshake::Idle { retry_at: at });
+        if let Handshake::HelloSent { init, .. } = ended {
+            if self.stale_attempts.len() == STALE_ATTEMPTS {
+                self.stale_attempts.pop_front();
+            }
+            self.stale_attempts.push_back(init);
+        }
     }
 
     fn tick(&mut self, now: Instant) {
@@ -265,15 +277,6 @@ impl DecodeSession {
                 if now.duration_since(*at) >= self.c.timings.bootstrap_timeout =>
             {
                 let since_hello = now.duration_since(*at);
-                if let Handshake::HelloSent { init, .. } = &self.handshake {
-                    // Its WELCOME may still come (a paused prefill reads every HELLO
-                    // at once when it resumes): known, so it is not taken for a forgery.
-                    let init = init.clone();
-                    if self.stale_attempts.len() == STALE_ATTEMPTS {
-                        self.stale_attempts.pop_front();
-                    }
-                    self.stale_attempts.push_back(init);
-                }
                 self.note(DecodeNote::HandshakeFailed {
                     result: "timeout",
                     by: None,
@@ -505,9 +508,16 @@ impl DecodeSession {
 
     fn welcome(&mut self, h: &Header, msg: &Message, now: Instant) {
         let Handshake::HelloSent { init, .. } = &self.handshake else {
-            self.note(DecodeNote::Unexpected {
-                msg_type: MsgType::Welcome,
-            });
+            let note = if self.answers_stale_attempt(h, msg) {
+                DecodeNote::StaleWelcome {
+                    peer_incarnation: h.incarnation,
+                }
+            } else {
+                DecodeNote::Unexpected {
+                    msg_type: MsgType::Welcome,
+                }
+            };
+            self.note(note);
             return;
         };
         match init.on_welcome(

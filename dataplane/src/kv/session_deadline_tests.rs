@@ -273,3 +273,47 @@ fn welcomes_to_earlier_hellos_after_a_long_stop_are_dropped_not_refused() {
         })
     )));
 }
+
+#[test]
+fn a_welcome_after_its_attempt_was_abandoned_is_dropped_as_stale() {
+    let t = timings();
+    let mut p = Pair::new();
+    p.establish();
+    // A partition: each side hears nothing. The decode finds the prefill unresponsive and
+    // queues a HELLO; the prefill expires the silent decode's session.
+    tick_alone(&mut p, Duration::from_secs(2), |p| {
+        p.decode.status().unresponsive
+    });
+    p.advance(Duration::from_millis(10));
+    p.decode_event(DecodeEvent::Tick);
+    p.advance(t.session_expiry());
+    p.prefill_event(PrefillEvent::Tick { engine_live: true });
+    assert_eq!(p.prefill.sessions(), 0);
+    // Healed: the prefill refuses the PINGs of the expired session (REJECT peer_expired),
+    // which ends the decode's attempt, then answers its HELLO; that WELCOME finds the
+    // decode waiting to retry.
+    while p.deliver_to_prefill() {}
+    let effects_before = p.decode_effects.len();
+    while p.deliver_to_decode() {}
+    let after = &p.decode_effects[effects_before..];
+    assert!(
+        after
+            .iter()
+            .any(|e| matches!(e, DecodeEffect::Note(DecodeNote::StaleWelcome { .. }))),
+        "{after:?}"
+    );
+    assert!(
+        !after
+            .iter()
+            .any(|e| matches!(e, DecodeEffect::Note(DecodeNote::Unexpected { .. }))),
+        "{after:?}"
+    );
+    assert_eq!(
+        p.decode.status().last_refusal.unwrap().reason,
+        "peer_expired"
+    );
+    // The next attempt, a probe period later, establishes the channel again.
+    p.advance(t.probe_period);
+    p.establish();
+    assert_eq!(p.decode.status().state, ChannelState::Established);
+}
