@@ -372,8 +372,11 @@ impl DecodeSession {
             peer_incarnation: self.last_authenticated.unwrap_or(0),
             rooms_failed: lost.len(),
         });
-        // Not ready before the rooms' clients hear of it.
+        // Not ready before the rooms' clients hear of it, and saying why (not an older
+        // refusal, which `/ready` would show until the next attempt says more).
         if !matches!(self.handshake, Handshake::Idle { .. }) {
+            let message = format!("the connection to the prefill at {} closed", self.c.addr);
+            self.refused(FailCode::PeerLost.label(), message, now);
             self.retry(now);
         }
         for id in lost {

@@ -390,6 +390,7 @@ fn a_lost_connection_fails_the_rooms_sent_at_once_and_keeps_the_others() {
     });
     assert_eq!(decode_ends(&p), [(1, "peer_lost")]);
     assert_eq!(state(&p), ChannelState::Idle);
+    assert_eq!(refusal(&p).as_deref(), Some("peer_lost"), "why, at once");
     // Unreachable: each attempt fails to send, says why, retries every 200 ms.
     p.open(2, 10);
     p.decode_event(DecodeEvent::Tick);
