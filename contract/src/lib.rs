@@ -73,6 +73,9 @@ pub mod settings {
         BOOTSTRAP_TIMEOUT_SECONDS = "bootstrap-timeout-seconds", "TANDEM_BOOTSTRAP_TIMEOUT_SECONDS";
         /// No-progress limit of rooms waiting for or receiving KV.
         KV_TIMEOUT_SECONDS = "kv-timeout-seconds", "TANDEM_KV_TIMEOUT_SECONDS";
+        /// The decode's channel deadline: longest a prefill may leave a PING unanswered
+        /// before its rooms fail `peer_unresponsive` (milliseconds).
+        CHANNEL_DEADLINE_MS = "channel-deadline-ms", "TANDEM_CHANNEL_DEADLINE_MS";
         /// The group key; given through [`super::GROUP_KEY_ENV`], never as a flag.
         GROUP_KEY = "group-key", "TANDEM_GROUP_KEY";
     }
@@ -122,6 +125,7 @@ pub struct MemberSettings {
     pub failure_threshold: u32,
     pub bootstrap_timeout_seconds: u32,
     pub kv_timeout_seconds: u32,
+    pub channel_deadline_ms: u32,
 }
 
 impl MemberSettings {
@@ -130,7 +134,7 @@ impl MemberSettings {
     /// value).
     pub fn to_args(&self) -> Vec<String> {
         use settings::*;
-        let mut args = Vec::with_capacity(12);
+        let mut args = Vec::with_capacity(13);
         let mut put = |s: Setting, v: String| args.push(format!("--{}={v}", s.flag));
         put(ROLE, self.role.as_str().into());
         put(MODEL, self.model.clone());
@@ -151,6 +155,7 @@ impl MemberSettings {
             self.bootstrap_timeout_seconds.to_string(),
         );
         put(KV_TIMEOUT_SECONDS, self.kv_timeout_seconds.to_string());
+        put(CHANNEL_DEADLINE_MS, self.channel_deadline_ms.to_string());
         args
     }
 }

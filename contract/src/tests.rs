@@ -19,6 +19,7 @@ fn member(role: MemberRole) -> MemberSettings {
         failure_threshold: 3,
         bootstrap_timeout_seconds: 10,
         kv_timeout_seconds: 30,
+        channel_deadline_ms: 1000,
     }
 }
 
@@ -102,7 +103,7 @@ proptest! {
         kv_port in 1u16..,
         peers in proptest::collection::vec("[a-z0-9.-]{1,20}:[0-9]{1,5}", 1..4),
         incarnation in any::<u64>(),
-        t in (1u32.., 1u32.., 1u32.., 1u32..),
+        t in (1u32.., 1u32.., 1u32.., 1u32.., 1u32..),
         decode in any::<bool>(),
     ) {
         let role = if decode { MemberRole::Decode } else { MemberRole::Prefill };
@@ -119,6 +120,7 @@ proptest! {
             failure_threshold: t.1,
             bootstrap_timeout_seconds: t.2,
             kv_timeout_seconds: t.3,
+            channel_deadline_ms: t.4,
         };
         let args = m.to_args();
         let p = pairs(&args);

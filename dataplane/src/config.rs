@@ -205,6 +205,12 @@ pub struct KvFlags {
     /// keeps a room alive while its engine works, so this measures silence).
     #[arg(long = contract::KV_TIMEOUT_SECONDS.flag, env = contract::KV_TIMEOUT_SECONDS.env, default_value_t = 30.0, value_parser = positive_seconds)]
     pub kv_timeout_seconds: f64,
+    /// Decode: longest a prefill may leave a PING unanswered (no message of any kind)
+    /// before the session ends: its rooms fail `peer_unresponsive` at once and new requests
+    /// are refused until a new handshake. PINGs go every quarter of it (at most every probe
+    /// period), so a stopped prefill is seen within 1 to 1.25 deadlines.
+    #[arg(long = contract::CHANNEL_DEADLINE_MS.flag, env = contract::CHANNEL_DEADLINE_MS.env, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(50..=3_600_000))]
+    pub channel_deadline_ms: u32,
     /// Most KV bytes in flight to one peer (sent, not yet acknowledged), in MiB; a room past
     /// it fails at once with `send_budget`.
     #[arg(long, env = "TANDEM_KV_SEND_BUDGET_MIB", default_value_t = 256, value_parser = at_least_one)]
@@ -374,6 +380,7 @@ impl Config {
                 "served_model_name": self.served_name(),
                 "liveness_window_seconds": t.liveness_window().as_secs_f64(),
                 "session_expiry_seconds": t.session_expiry().as_secs_f64(),
+                "channel_heartbeat_seconds": t.channel_heartbeat().as_secs_f64(),
                 "kv_send_budget_bytes": self.pd_limits().send_budget,
             },
         })
@@ -415,6 +422,7 @@ impl Config {
                 kv.bootstrap_timeout_seconds,
             )?,
             kv_timeout_seconds: whole(contract::KV_TIMEOUT_SECONDS.flag, kv.kv_timeout_seconds)?,
+            channel_deadline_ms: kv.channel_deadline_ms,
         })
     }
 
@@ -489,6 +497,7 @@ impl Config {
             failure_threshold: kv.failure_threshold,
             bootstrap_timeout: secs(kv.bootstrap_timeout_seconds),
             kv_timeout: secs(kv.kv_timeout_seconds),
+            channel_deadline: Duration::from_millis(u64::from(kv.channel_deadline_ms)),
         }
     }
 }

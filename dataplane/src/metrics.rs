@@ -67,6 +67,9 @@ pub struct KvMetrics {
     pub peer_goodbye: Counter,
     /// Decode: TCP connections to a prefill that closed (socket monitor).
     pub peer_disconnects: Counter,
+    /// Decode: sessions ended because the prefill left a PING unanswered past the channel
+    /// deadline.
+    pub peer_unresponsive: Counter,
     /// Prefill: KV bytes sent to decodes and not yet acknowledged (CREDIT), all sessions.
     pub bytes_in_flight: Gauge,
 }
@@ -89,6 +92,7 @@ impl KvMetrics {
             progress: Counter::default(),
             peer_goodbye: Counter::default(),
             peer_disconnects: Counter::default(),
+            peer_unresponsive: Counter::default(),
             bytes_in_flight: Gauge::default(),
         };
         r.register(
@@ -165,6 +169,11 @@ impl KvMetrics {
             "kv_peer_disconnects",
             "TCP connections to a prefill that closed (the rooms in flight fail peer_lost)",
             m.peer_disconnects.clone(),
+        );
+        r.register(
+            "kv_peer_unresponsive",
+            "Sessions ended because the prefill answered no PING within the channel deadline (the rooms in flight fail peer_unresponsive)",
+            m.peer_unresponsive.clone(),
         );
         r.register(
             "kv_bytes_in_flight",

@@ -227,8 +227,9 @@ fn decode_restart(pd: &mut Pd, c: &Counter<'_>) -> Acted {
     }
 }
 
-/// The decode says why it is not ready (probe_timeout) and fails rooms that waited past the
-/// KV timeout; a hang shorter than that fails none.
+/// The decode's channel deadline (1 s) ends the session: rooms in flight fail
+/// `peer_unresponsive` at once, new requests are refused with the reason, and after SIGCONT
+/// the channel comes back by a new handshake.
 fn prefill_hang(pd: &mut Pd, _: &Counter<'_>) -> Acted {
     pd.prefill.signal("STOP");
     std::thread::sleep(Duration::from_secs(4));
@@ -435,8 +436,8 @@ fn faults(other_model: &str) -> Vec<Fault> {
         fault(
             "prefill hang (SIGSTOP 4 s, SIGCONT)",
             Decode,
-            &["room failed", "kv_timeout"],
-            "tandem_kv_rooms_total{state=\"failed\",reason=\"kv_timeout\"}",
+            &["prefill unresponsive", "peer_unresponsive"],
+            "tandem_kv_peer_unresponsive_total",
             prefill_hang,
         ),
         fault(

@@ -1,6 +1,7 @@
-//! PD fault handling with real processes: a frozen prefill (SIGSTOP), a prefill killed with a
-//! room in flight and restarted on the same address, and a decode handshaking with a fake
-//! prefill that does not know the key.
+//! PD fault handling with real processes: a frozen prefill (SIGSTOP: found by the decode's
+//! channel deadline, requests answered with the reason), a prefill killed with a room in
+//! flight and restarted on the same address, and a decode handshaking with a fake prefill
+//! that does not know the key.
 
 mod common;
 
@@ -32,57 +33,140 @@ fn frozen_then_restarted_prefill_is_detected_and_recovered_without_restarting_th
         &serde_json::from_str(&completion_body(prompt)).unwrap(),
     ));
 
-    // 1. SIGSTOP: the decode goes not-ready within failure_threshold x probe_period (2 s),
-    //    plus one probe period of phase and polling slack.
+    // 1. SIGSTOP with a request in flight, under a client sending one every 100 ms: the
+    //    decode's channel deadline (1 s by default; PINGs every 250 ms) finds the silent
+    //    prefill by itself, independent of the probe period: the request in flight is
+    //    answered 503 `peer_unresponsive` and every request after it 503 `no_peer` at
+    //    once, naming the reason. No request waits longer than about the deadline.
     prefill.signal("STOP");
     let stopped_at = Instant::now();
     let addr = decode.addr;
-    // A request sent while frozen waits (kv timeout 30 s) and completes after SIGCONT.
-    let waiting = std::thread::spawn(move || {
-        common::request(
-            addr,
-            "POST",
-            "/v1/completions",
-            Some(&completion_body(prompt)),
-        )
-    });
-    decode.wait_for(
-        "not ready while the prefill is frozen",
-        Duration::from_secs(4),
-        |s| !s.is_ready(),
+    let send = move |at: Instant| {
+        std::thread::spawn(move || {
+            let r = common::request(
+                addr,
+                "POST",
+                "/v1/completions",
+                Some(&completion_body(prompt)),
+            );
+            (at, Instant::now(), r)
+        })
+    };
+    let in_flight = send(Instant::now());
+    let mut clients = Vec::new();
+    while stopped_at.elapsed() < Duration::from_millis(2500) {
+        std::thread::sleep(Duration::from_millis(100));
+        clients.push(send(Instant::now()));
+    }
+    let (_, answered_at, r) = in_flight.join().unwrap();
+    let in_flight_wait = answered_at.duration_since(stopped_at);
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "peer_unresponsive", "{}", r.body);
+    let answers: Vec<_> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    let longest = answers
+        .iter()
+        .map(|(sent, done, _)| done.duration_since(*sent))
+        .max()
+        .unwrap()
+        .max(in_flight_wait);
+    // Once the deadline has passed, refusals are immediate and say why.
+    let refused: Vec<_> = answers
+        .iter()
+        .filter(|(sent, _, _)| *sent > answered_at)
+        .collect();
+    assert!(
+        refused.len() >= 5,
+        "{} requests after the deadline",
+        refused.len()
+    );
+    let slowest_refusal = refused
+        .iter()
+        .map(|(sent, done, _)| done.duration_since(*sent))
+        .max()
+        .unwrap();
+    for (_, _, r) in &refused {
+        assert_eq!(r.status, 503, "{}", r.body);
+        assert_eq!(r.json()["error"]["code"], "no_peer", "{}", r.body);
+        let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(message.contains("peer_unresponsive"), "{message}");
+    }
+    // Those sent before it were taken into rooms on the silent prefill, and failed with
+    // the reason at the deadline.
+    let mut in_rooms: u32 = 1;
+    for (sent, _, r) in &answers {
+        assert_eq!(r.status, 503, "{}", r.body);
+        if r.json()["error"]["code"] == "peer_unresponsive" {
+            assert!(*sent < answered_at, "{}", r.body);
+            in_rooms += 1;
+        }
+    }
+    println!(
+        "prefill SIGSTOP: the request in flight answered {:.0} ms after the stop; longest wait \
+         of any of {} requests {:.0} ms ({} failed peer_unresponsive, the rest refused \
+         no_peer); refusals after the deadline took at most {:.0} ms",
+        in_flight_wait.as_secs_f64() * 1e3,
+        answers.len() + 1,
+        longest.as_secs_f64() * 1e3,
+        in_rooms,
+        slowest_refusal.as_secs_f64() * 1e3,
     );
     assert!(
-        stopped_at.elapsed() <= Duration::from_millis(3500),
-        "{:?}",
-        stopped_at.elapsed()
+        in_flight_wait < Duration::from_millis(1500),
+        "the room in flight failed {in_flight_wait:?} after the stop (deadline 1 s)"
     );
-    let body = decode.get("/ready").json();
-    let probe = body["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"].as_str().unwrap().starts_with("probe"))
-        .unwrap();
-    assert_eq!(probe["ok"], false, "{body}");
-    // While not ready, new requests are refused at once with the reason (no healthy peer).
-    let r = decode.post(
-        "/v1/completions",
-        &serde_json::from_str(&completion_body(prompt)).unwrap(),
+    assert!(
+        longest < Duration::from_millis(1500),
+        "a request waited {longest:?}"
     );
-    assert_eq!(r.status, 503, "{}", r.body);
-    assert_eq!(r.json()["error"]["code"], "no_peer");
+    assert!(
+        slowest_refusal < Duration::from_millis(500),
+        "a refusal took {slowest_refusal:?}"
+    );
+    // `/ready` says the same: not ready, the reason first, the peer unresponsive.
+    let body = decode.ready_body();
+    assert_eq!(body["ready"], false, "{body}");
+    assert_eq!(body["reason"], "peer_unresponsive", "{body}");
+    assert_eq!(body["peers"][0]["state"], "unresponsive", "{body}");
+    assert_eq!(decode.metric("tandem_kv_peer_unresponsive_total "), 1.0);
+    assert_eq!(
+        decode.metric("tandem_kv_rooms_total{state=\"failed\",reason=\"peer_unresponsive\"} "),
+        f64::from(in_rooms)
+    );
+    // Logged once for the channel (peer, incarnation) and once for each room.
+    let lines = decode.log_lines(&["prefill unresponsive", "peer_unresponsive"]);
+    assert_eq!(lines.len(), 1, "{}", decode.log_text());
+    assert!(lines[0].contains(&prefill.incarnation()), "{}", lines[0]);
+    let lines = decode.log_lines(&["room failed", "peer_unresponsive"]);
+    assert_eq!(lines.len(), in_rooms as usize, "{}", decode.log_text());
+    for field in ["\"room\"", "\"peer\"", "\"peer_incarnation\"", "\"reason\""] {
+        assert!(lines[0].contains(field), "{}", lines[0]);
+    }
 
+    // SIGCONT: the prefill reads the FAILED the decode pushed (it drops the room instead
+    // of computing it for no one) and answers the decode's new HELLO; the channel is back
+    // by itself, same processes.
     prefill.signal("CONT");
-    decode.wait_for(
+    let recovered = decode.wait_for(
         "ready after SIGCONT",
         Duration::from_secs(4),
         Server::is_ready,
     );
-    assert_eq!(
-        text_of(&waiting.join().unwrap()),
-        baseline,
-        "the frozen room finished after SIGCONT"
+    println!(
+        "prefill SIGCONT: the decode ready again {:.0} ms later",
+        recovered.as_secs_f64() * 1e3
     );
+    assert_eq!(
+        text_of(&decode.post(
+            "/v1/completions",
+            &serde_json::from_str(&completion_body(prompt)).unwrap(),
+        )),
+        baseline,
+        "served again after SIGCONT"
+    );
+    prefill.wait_for("the pushed FAILED read", Duration::from_secs(4), |s| {
+        s.metric("tandem_kv_rooms_total{state=\"failed\",reason=\"peer_unresponsive\"} ")
+            == f64::from(in_rooms)
+    });
 
     // 2. Kill the prefill while a room is in flight (frozen, so the room cannot finish
     //    first): the decode sees the TCP connection close and fails the room at once with
@@ -98,7 +182,9 @@ fn frozen_then_restarted_prefill_is_detected_and_recovered_without_restarting_th
             Some(&completion_body(prompt)),
         )
     });
-    std::thread::sleep(Duration::from_millis(300));
+    // Killed well inside the channel deadline, so it is the closed connection that
+    // fails the room.
+    std::thread::sleep(Duration::from_millis(100));
     let killed_at = Instant::now();
     drop(prefill); // SIGKILL + wait
     let r = in_flight.join().unwrap();
@@ -136,7 +222,8 @@ fn frozen_then_restarted_prefill_is_detected_and_recovered_without_restarting_th
     assert!(decode.metric("tandem_kv_peer_disconnects_total ") >= 1.0);
     assert_eq!(
         decode.metric("tandem_kv_handshakes_total{result=\"ok\"} "),
-        2.0
+        3.0,
+        "the first prefill, again after SIGCONT, the second"
     );
     assert_eq!(
         prefill2.metric("tandem_kv_handshakes_total{result=\"ok\"} "),
@@ -294,8 +381,11 @@ fn a_prefill_side_failure_is_pushed_to_the_decode_and_logged_once_on_each_side()
 
 /// A prompt whose prefill takes several times the KV timeout (2 s here) still succeeds:
 /// the prefill's PROGRESS keeps the room alive while its engine works, so the timeout
-/// measures silence. Silence still fails: a frozen prefill sends no PROGRESS, and the
-/// room fails with `kv_timeout` about one timeout later.
+/// measures silence; and the busy prefill is never taken for an unresponsive one (its
+/// socket loop answers PING under the 1 s channel deadline while the engine computes).
+/// Silence still fails: a frozen prefill sends no PROGRESS, and — for a decode whose
+/// channel deadline is set past the KV timeout, so that this timeout is the one that
+/// fires — the room fails with `kv_timeout` about one timeout later.
 #[test]
 fn a_prefill_longer_than_the_kv_timeout_succeeds_while_a_silent_one_times_out() {
     let env = pd_env(&[("TANDEM_KV_TIMEOUT_SECONDS", "2")]);
@@ -328,6 +418,18 @@ fn a_prefill_longer_than_the_kv_timeout_succeeds_while_a_silent_one_times_out() 
         decode.metric("tandem_kv_rooms_total{state=\"failed\",reason=\"kv_timeout\"} "),
         0.0
     );
+    assert_eq!(decode.metric("tandem_kv_peer_unresponsive_total "), 0.0);
+    let rtt_count = decode.metric("tandem_kv_ping_rtt_seconds_count ");
+    assert!(
+        rtt_count >= took.as_secs_f64() * 2.0,
+        "{rtt_count} PONGs in {took:?}: the busy prefill answered every heartbeat"
+    );
+    drop(decode);
+    let env = pd_env(&[
+        ("TANDEM_KV_TIMEOUT_SECONDS", "2"),
+        ("TANDEM_CHANNEL_DEADLINE_MS", "60000"),
+    ]);
+    let decode = start_decode(&[kv], &env, true);
 
     // As long a prompt to a prefill that goes silent mid-prefill (SIGSTOP). Another one:
     // the first is in both prefix caches now and would be answered at once.

@@ -1,7 +1,8 @@
 //! A real network partition: the decode and the prefill run in two network namespaces
-//! joined by a veth pair, and the test takes that link down and up again. Cut: the decode
-//! turns not-ready within failure_threshold × probe_period, a room in flight fails with a
-//! reason within the KV timeout, no loop is stuck. Heal: ready again without a restart.
+//! joined by a veth pair, and the test takes that link down and up again. Cut: the decode's
+//! channel deadline ends the session, so it turns not-ready and the room in flight fails
+//! `peer_unresponsive` within the deadline (before the liveness window and long before the
+//! KV timeout), no loop is stuck. Heal: ready again without a restart.
 
 mod common;
 
@@ -11,7 +12,7 @@ use common::{MODEL_NAME, NetPair, Server, free_port, pd_env};
 use serde_json::json;
 
 #[test]
-fn a_partition_is_seen_within_the_liveness_window_and_heals_without_a_restart() {
+fn a_partition_is_seen_within_the_channel_deadline_and_heals_without_a_restart() {
     let pair = match NetPair::create(1) {
         Ok(p) => p,
         Err(e) => {
@@ -23,16 +24,18 @@ fn a_partition_is_seen_within_the_liveness_window_and_heals_without_a_restart() 
             return;
         }
     };
-    // Liveness window 2 x 0.5 s = 1 s; KV timeout 3 s; the prefill expires a silent decode
-    // after max(2 x 1 s, bootstrap 2 s) = 2 s.
+    // Channel deadline 600 ms (PINGs every 150 ms), inside the liveness window 2 x 0.5 s =
+    // 1 s, so the deadline is what finds the cut; KV timeout 3 s; the prefill expires a
+    // silent decode after max(2 x 1 s, bootstrap 2 s) = 2 s.
     let env = pd_env(&[
         ("TANDEM_PROBE_PERIOD_SECONDS", "0.5"),
         ("TANDEM_FAILURE_THRESHOLD", "2"),
         ("TANDEM_BOOTSTRAP_TIMEOUT_SECONDS", "2"),
         ("TANDEM_KV_TIMEOUT_SECONDS", "3"),
+        ("TANDEM_CHANNEL_DEADLINE_MS", "600"),
     ]);
-    let window = Duration::from_secs(1);
-    let kv_timeout = Duration::from_secs(3);
+    let deadline = Duration::from_millis(600);
+    let heartbeat = Duration::from_millis(150);
     let kv = free_port().to_string();
     let mut prefill = Server::spawn_in(
         Some((&pair.prefill, pair.prefill_http)),
@@ -72,11 +75,11 @@ fn a_partition_is_seen_within_the_liveness_window_and_heals_without_a_restart() 
         !s.is_ready()
     });
     let body = decode.ready_body();
-    assert_eq!(body["reason"], "probe_timeout", "{body}");
+    assert_eq!(body["reason"], "peer_unresponsive", "{body}");
     let (r, failed_at) = client.join().unwrap();
     let failed_after = failed_at.duration_since(cut_at);
     assert_eq!(r.status, 503, "{}", r.body);
-    assert_eq!(r.json()["error"]["code"], "kv_timeout", "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "peer_unresponsive", "{}", r.body);
     // No loop is stuck on either side, though one cannot reach the other.
     for s in [&decode, &prefill] {
         let b = s.ready_body();
@@ -95,6 +98,8 @@ fn a_partition_is_seen_within_the_liveness_window_and_heals_without_a_restart() 
     let r = decode.post("/v1/completions", &short);
     assert_eq!(r.status, 503);
     assert_eq!(r.json()["error"]["code"], "no_peer", "{}", r.body);
+    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("peer_unresponsive"), "{message}");
     // The prefill expires the silent decode and fails its side of the room.
     prefill.wait_for("session expired", Duration::from_secs(10), |s| {
         s.metric("tandem_kv_sessions_dropped_total{reason=\"expired\"} ") == 1.0
@@ -116,20 +121,22 @@ fn a_partition_is_seen_within_the_liveness_window_and_heals_without_a_restart() 
     // (Every message the decode queued during the cut is refused the same way.)
     assert!(decode.metric("tandem_kv_handshakes_total{result=\"peer_expired\"} ") >= 1.0);
     println!(
-        "partition: not ready {:.2} s after the cut (window {:.1} s); room failed {:.2} s \
-         after the cut (KV timeout {:.1} s); ready {:.2} s after the heal",
+        "partition: not ready {:.2} s after the cut and the room in flight failed {:.2} s \
+         after it (channel deadline {:.2} s, PINGs every {:.2} s; KV timeout 3 s); ready \
+         {:.2} s after the heal",
         not_ready.as_secs_f64(),
-        window.as_secs_f64(),
         failed_after.as_secs_f64(),
-        kv_timeout.as_secs_f64(),
+        deadline.as_secs_f64(),
+        heartbeat.as_secs_f64(),
         healed.as_secs_f64(),
     );
+    let bound = deadline + heartbeat + Duration::from_millis(400);
     assert!(
-        not_ready <= window + Duration::from_millis(600),
+        not_ready <= bound,
         "not ready only {not_ready:?} after the cut"
     );
     assert!(
-        failed_after <= kv_timeout + Duration::from_secs(1),
+        failed_after <= bound,
         "the room failed {failed_after:?} after the cut"
     );
     assert!(healed < Duration::from_secs(10), "healed after {healed:?}");

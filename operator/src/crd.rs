@@ -242,6 +242,14 @@ pub struct TransferSpec {
     #[serde(default = "default_kv_timeout")]
     #[schemars(range(min = 1))]
     pub kv_timeout_seconds: i32,
+    /// Longest the decode lets a prefill leave a PING unanswered before its rooms there
+    /// fail `peer_unresponsive` and new requests are refused, until a new handshake: how
+    /// fast requests stop waiting on a hung prefill, independent of the probe period. A
+    /// prefill answers from its socket loop, so a busy one still answers; raise it only for
+    /// a prefill starved of CPU for longer than this (a tiny CPU limit).
+    #[serde(default = "default_channel_deadline")]
+    #[schemars(range(min = 50, max = 3600000))]
+    pub channel_deadline_milliseconds: i32,
 }
 
 fn default_http_port() -> i32 {
@@ -256,6 +264,9 @@ fn default_bootstrap_timeout() -> i32 {
 fn default_kv_timeout() -> i32 {
     10
 }
+fn default_channel_deadline() -> i32 {
+    1000
+}
 
 impl Default for TransferSpec {
     fn default() -> Self {
@@ -264,6 +275,7 @@ impl Default for TransferSpec {
             kv_port: default_kv_port(),
             bootstrap_timeout_seconds: default_bootstrap_timeout(),
             kv_timeout_seconds: default_kv_timeout(),
+            channel_deadline_milliseconds: default_channel_deadline(),
         }
     }
 }

@@ -353,6 +353,11 @@ pub fn member_settings(intent: &PodIntent, net: &DataplaneNetwork) -> MemberSett
         failure_threshold: spec_seconds(t.health.failure_threshold),
         bootstrap_timeout_seconds: spec_seconds(t.transfer.bootstrap_timeout_seconds),
         kv_timeout_seconds: spec_seconds(t.transfer.kv_timeout_seconds),
+        channel_deadline_ms: t
+            .transfer
+            .channel_deadline_milliseconds
+            .max(50)
+            .unsigned_abs(),
     }
 }
 

@@ -169,6 +169,7 @@ fn assert_pod_matches_spec(pdd: &PDDeployment, intent: &PodIntent, pod: &Pod) ->
         "failure_threshold": t.health.failure_threshold,
         "bootstrap_timeout_seconds": f64::from(t.transfer.bootstrap_timeout_seconds),
         "kv_timeout_seconds": f64::from(t.transfer.kv_timeout_seconds),
+        "channel_deadline_ms": t.transfer.channel_deadline_milliseconds,
     });
     for (k, w) in want.as_object().unwrap() {
         assert_eq!(&cfg[k], w, "{what}: {k} in {cfg:#}");
@@ -269,6 +270,7 @@ fn edge_specs_are_accepted_as_the_spec_says() {
     s.transfer.kv_port = 7001;
     s.transfer.bootstrap_timeout_seconds = 3;
     s.transfer.kv_timeout_seconds = 45;
+    s.transfer.channel_deadline_milliseconds = 2500;
     s.health.probe_period_seconds = 1;
     s.health.failure_threshold = 5;
     s.prefill.replicas = 3;
@@ -306,6 +308,8 @@ fn edge_specs_are_accepted_as_the_spec_says() {
                     "one peer per prefill replica"
                 );
                 assert_eq!(v["derived"]["liveness_window_seconds"], 5.0);
+                // A quarter of the 2.5 s channel deadline.
+                assert_eq!(v["derived"]["channel_heartbeat_seconds"], 0.625);
             }
         }
     }

@@ -61,6 +61,15 @@ fn parses_pd_flags_as_the_operator_passes_them() {
         ..t
     };
     assert_eq!(short.session_expiry(), Duration::from_secs(4));
+    // The channel deadline: 1 s by default, PINGed every quarter of it (the probe period
+    // bounds the heartbeat of a long deadline).
+    assert_eq!(t.channel_deadline, Duration::from_secs(1));
+    assert_eq!(t.channel_heartbeat(), Duration::from_millis(250));
+    let long = PdTimings {
+        channel_deadline: Duration::from_secs(60),
+        ..t
+    };
+    assert_eq!(long.channel_heartbeat(), t.probe_period);
 }
 
 /// A file that starts like a GGUF file, removed on drop.
@@ -380,7 +389,13 @@ mod contract {
                 1..4,
             ),
             any::<u64>(),
-            (1u32..=3600, 1u32..=100, 1u32..=3600, 1u32..=3600),
+            (
+                1u32..=3600,
+                1u32..=100,
+                1u32..=3600,
+                1u32..=3600,
+                50u32..=3_600_000,
+            ),
         )
             .prop_map(
                 |(decode, model, name, host, (port, kv_port), peers, inc, t)| MemberSettings {
@@ -400,6 +415,7 @@ mod contract {
                     failure_threshold: t.1,
                     bootstrap_timeout_seconds: t.2,
                     kv_timeout_seconds: t.3,
+                    channel_deadline_ms: t.4,
                 },
             )
     }
@@ -446,6 +462,7 @@ mod contract {
             failure_threshold: 3,
             bootstrap_timeout_seconds: 10,
             kv_timeout_seconds: 30,
+            channel_deadline_ms: 1000,
         };
         let mut args = vec!["x".to_string()];
         args.extend(m.to_args());

@@ -11,9 +11,18 @@
 //!   then ACCEPTED establishes the session. A refusal either way, a handshake past the
 //!   bootstrap timeout or an unreachable prefill ends the attempt with a reason (the
 //!   status's refusal, which `/ready` shows) and a new one starts: at once, after 200 ms
-//!   when unreachable, after a probe period after a refusal.
-//! - **Heartbeat**: a PING every probe period while established; the status's last PONG is
-//!   what `/ready` measures against the liveness window.
+//!   when unreachable, after a probe period after a refusal. A WELCOME that answers an
+//!   earlier HELLO of this decode (the prefill read several at once after a pause) is
+//!   recognised and dropped, not refused as a failed proof.
+//! - **Heartbeat and channel deadline**: a PING every channel heartbeat (a quarter of the
+//!   channel deadline, at most a probe period) while established. Any message from the
+//!   prefill answers it. A PING left unanswered for the channel deadline ends the session
+//!   as `peer_unresponsive`: every room sent there fails with that reason (FAILED pushed),
+//!   rooms not yet sent fail too, and until a handshake succeeds again every new room
+//!   fails at once. The deadline counts from the first PING sent after the last message
+//!   heard, never from the last message itself: a decode that was itself paused (stopped,
+//!   starved) PINGs first and then waits, so its own pause is not taken for the prefill's.
+//!   The status's last PONG is what `/ready` measures against the liveness window.
 //! - **Incarnation fencing**: a message from another prefill incarnation than the one this
 //!   session authenticated fails every room sent to the old one (`peer_restarted`) and
 //!   starts a new handshake; a REJECT from the new one is still read. Rooms only ever
@@ -28,6 +37,7 @@
 //!   there fail at once with `peer_lost`, and the session ends until a handshake succeeds.
 
 mod events;
+mod heartbeat;
 mod rooms;
 
 use std::time::{Duration, Instant};
@@ -47,6 +57,10 @@ use super::{DecodeError, Decoded, FailCode, Header, Message, MsgType, PdTimings,
 
 /// How long to wait before handshaking again with a prefill that no connection reaches.
 pub const UNREACHABLE_RETRY: Duration = Duration::from_millis(200);
+/// Earlier handshake attempts remembered (their HELLO went out, then the attempt ended),
+/// so that a late WELCOME answering one of them is told apart from a failed proof of the
+/// key or an unexpected message.
+const STALE_ATTEMPTS: usize = 4;
 
 /// What a [`DecodeSession`] is made with.
 #[derive(Debug, Clone)]
@@ -87,6 +101,15 @@ pub struct DecodeSession {
     rooms: RoomTable<DecodeRoom>,
     last_ping: Option<(u64, Instant)>,
     last_pong: Option<Instant>,
+    /// The first PING sent since the last message heard from the established prefill:
+    /// the channel deadline counts from here (`None`: nothing unanswered).
+    unanswered_since: Option<Instant>,
+    /// The session ended because the prefill stopped answering (the deadline passed);
+    /// until a handshake succeeds again, new rooms fail at once.
+    unresponsive: bool,
+    /// Handshake attempts ended since the last session, whose WELCOME may still come
+    /// (newest last).
+    stale_attempts: std::collections::VecDeque<Initiator>,
     /// The incarnation of the last prefill authenticated, kept across a closed connection
     /// so that a replacement process is still counted and logged as a restart.
     last_authenticated: Option<u64>,
@@ -115,6 +138,9 @@ impl DecodeSession {
             rooms: RoomTable::new(deadlines, 65_536),
             last_ping: None,
             last_pong: None,
+            unanswered_since: None,
+            unresponsive: false,
+            stale_attempts: std::collections::VecDeque::new(),
             last_authenticated: None,
             peer_draining: false,
             last_refusal: None,
@@ -156,6 +182,7 @@ impl DecodeSession {
             state,
             peer_incarnation: self.peer_incarnation,
             peer_draining: self.peer_draining,
+            unresponsive: self.unresponsive,
             last_pong: self.last_pong,
             rooms: self.rooms.len(),
             blocks_held: self
@@ -207,8 +234,18 @@ impl DecodeSession {
         }
     }
 
+    /// End the handshake attempt (or the session) and try again at `at`. An attempt whose
+    /// HELLO went out is remembered: its WELCOME may still come (a paused prefill reads
+    /// every HELLO at once when it resumes), and is then dropped as stale, not taken for
+    /// a forgery or an unexpected message.
     fn retry(&mut self, at: Instant) {
-        self.handshake = Handshake::Idle { retry_at: at };
+        let ended = std::mem::replace(&mut self.handshake, Handshake::Idle { retry_at: at });
+        if let Handshake::HelloSent { init, .. } = ended {
+            if self.stale_attempts.len() == STALE_ATTEMPTS {
+                self.stale_attempts.pop_front();
+            }
+            self.stale_attempts.push_back(init);
+        }
     }
 
     fn tick(&mut self, now: Instant) {
@@ -247,11 +284,14 @@ impl DecodeSession {
                     text: format!("no answer within {} ms", since_hello.as_millis()),
                 });
                 // A refusal seen during this attempt (an unreadable answer: another
-                // protocol version) says more than the timeout it led to: keep it.
-                let explained = self
-                    .last_refusal
-                    .as_ref()
-                    .is_some_and(|r| now.duration_since(r.at) <= since_hello);
+                // protocol version) says more than the timeout it led to: keep it. So
+                // does `peer_unresponsive` while the prefill that stopped answering goes
+                // on not answering.
+                let explained = self.unresponsive
+                    || self
+                        .last_refusal
+                        .as_ref()
+                        .is_some_and(|r| now.duration_since(r.at) <= since_hello);
                 if !explained {
                     let message = format!(
                         "no handshake answer from {} within {} ms",
@@ -262,27 +302,9 @@ impl DecodeSession {
                 }
                 self.retry(now);
             }
-            Handshake::Established { .. } => {
-                let due = self
-                    .last_ping
-                    .is_none_or(|(_, at)| now.duration_since(at) >= self.c.timings.probe_period);
-                if due {
-                    let nonce = loop {
-                        let n: u64 = self.rng.random();
-                        if n != 0 {
-                            break n;
-                        }
-                    };
-                    let timestamp_us = now.duration_since(self.base).as_micros() as u64;
-                    self.send(
-                        0,
-                        Message::Ping {
-                            nonce,
-                            timestamp_us,
-                        },
-                    );
-                    self.last_ping = Some((nonce, now));
-                }
+            Handshake::Established { peer_incarnation } => {
+                let peer_incarnation = *peer_incarnation;
+                self.heartbeat(peer_incarnation, now);
             }
             _ => {}
         }
@@ -350,8 +372,11 @@ impl DecodeSession {
             peer_incarnation: self.last_authenticated.unwrap_or(0),
             rooms_failed: lost.len(),
         });
-        // Not ready before the rooms' clients hear of it.
+        // Not ready before the rooms' clients hear of it, and saying why (not an older
+        // refusal, which `/ready` would show until the next attempt says more).
         if !matches!(self.handshake, Handshake::Idle { .. }) {
+            let message = format!("the connection to the prefill at {} closed", self.c.addr);
+            self.refused(FailCode::PeerLost.label(), message, now);
             self.retry(now);
         }
         for id in lost {
@@ -384,6 +409,10 @@ impl DecodeSession {
             if !matches!(d, Decoded::Message(Message::Reject { .. })) {
                 return;
             }
+        }
+        if self.established() == Some(h.incarnation) {
+            // Any message proves the prefill's socket loop alive: the PING is answered.
+            self.unanswered_since = None;
         }
         let msg = match d {
             Decoded::Chunk(c) => {
@@ -482,9 +511,16 @@ impl DecodeSession {
 
     fn welcome(&mut self, h: &Header, msg: &Message, now: Instant) {
         let Handshake::HelloSent { init, .. } = &self.handshake else {
-            self.note(DecodeNote::Unexpected {
-                msg_type: MsgType::Welcome,
-            });
+            let note = if self.answers_stale_attempt(h, msg) {
+                DecodeNote::StaleWelcome {
+                    peer_incarnation: h.incarnation,
+                }
+            } else {
+                DecodeNote::Unexpected {
+                    msg_type: MsgType::Welcome,
+                }
+            };
+            self.note(note);
             return;
         };
         match init.on_welcome(
@@ -500,6 +536,13 @@ impl DecodeSession {
                     peer_incarnation: peer.peer_incarnation,
                     at: now,
                 };
+            }
+            Err((RejectReason::AuthFailed, _)) if self.answers_stale_attempt(h, msg) => {
+                // The answer to an earlier HELLO: the prefill proved the key over that
+                // HELLO's nonce. This attempt's own WELCOME follows.
+                self.note(DecodeNote::StaleWelcome {
+                    peer_incarnation: h.incarnation,
+                });
             }
             Err((reason, text)) => {
                 self.note(DecodeNote::HandshakeFailed {
@@ -542,6 +585,9 @@ impl DecodeSession {
         self.peer_incarnation = peer_incarnation;
         self.peer_draining = false;
         self.last_pong = Some(now);
+        self.unanswered_since = None;
+        self.unresponsive = false;
+        self.stale_attempts.clear();
         self.consumed = 0;
         self.credit_due = false;
         self.handshake = Handshake::Established { peer_incarnation };

@@ -127,6 +127,10 @@ codes!(
         // Decode-local: the TCP connection to the prefill closed with the room in flight.
         // Never sent (the peer is gone).
         PeerLost = 20 => "peer_lost",
+        // The decode heard nothing from an established prefill for the channel deadline
+        // after a PING: the room fails at once (version 5). Pushed as FAILED, so a prefill
+        // that was only paused drops the room when it reads it.
+        PeerUnresponsive = 21 => "peer_unresponsive",
     }
 );
 

@@ -67,6 +67,17 @@
 //!   deadline fail with FAILED(`shutdown`), which the decode counts as `peer_shutdown`. A
 //!   decode sends it when it stops: the prefill drops the session and its rooms at once.
 //!
+//! - **PING / PONG** (decode → prefill → decode) every channel heartbeat (a quarter of
+//!   `--channel-deadline-ms`, at most a probe period) while a session is established; the
+//!   prefill answers from its socket loop, not from its engine thread, so a prefill busy
+//!   computing still answers. Any message from the prefill counts as an answer. When a
+//!   PING has gone unanswered for the channel deadline, the decode ends the session as
+//!   `peer_unresponsive` (version 5): every room sent there fails with that reason, pushed
+//!   as FAILED (a prefill that was only paused drops them when it reads them), new requests
+//!   are refused until a new handshake succeeds, and a new HELLO goes out at once. Messages
+//!   of the old session that arrive later (a late PONG, DONE of a failed room) change
+//!   nothing: the rooms' ends are final and only ACCEPTED establishes a session.
+//!
 //! # Prefix caching (version 4)
 //!
 //! PREFILL's `cached` is the number of leading prompt tokens whose KV the decode already
@@ -105,6 +116,8 @@ pub mod room;
 mod timings;
 
 #[cfg(test)]
+mod session_deadline_tests;
+#[cfg(test)]
 mod session_harness;
 #[cfg(test)]
 mod session_props;
@@ -125,8 +138,9 @@ pub use timings::PdTimings;
 /// checksum is CRC-32C instead of the IEEE CRC-32; 3: PROGRESS, CREDIT and GOODBYE, REJECT
 /// reasons `shutting_down` and `peer_expired`, FAILED codes `peer_shutdown` and
 /// `send_budget`; 4: PREFILL carries the penalties, the `min_tokens` masking and the `cached`
-/// prefix, whose KV is not sent). A peer of another version is refused in the handshake with the reason.
-pub const PROTOCOL_VERSION: u16 = 4;
+/// prefix, whose KV is not sent; 5: the FAILED code `peer_unresponsive`). A peer of another
+/// version is refused in the handshake with the reason.
+pub const PROTOCOL_VERSION: u16 = 5;
 pub const MAGIC: &[u8; 4] = b"TKVP";
 pub const HEADER_LEN: usize = 36;
 /// Largest payload accepted (one KV chunk is at most [`chunks::MAX_CHUNK`]).

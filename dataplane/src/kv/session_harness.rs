@@ -32,6 +32,8 @@ pub fn timings() -> PdTimings {
         failure_threshold: 2,
         bootstrap_timeout: Duration::from_secs(2),
         kv_timeout: Duration::from_secs(3),
+        // PINGs every 250 ms.
+        channel_deadline: Duration::from_secs(1),
     }
 }
 
@@ -105,6 +107,15 @@ pub fn frames_of(env: &Envelope) -> Frames {
     encode(env).to_vec()
 }
 
+/// One line of [`Pair::decode_log`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Contact {
+    /// The decode sent a PING (whether or not it got through).
+    Ping,
+    /// The decode heard a message from this prefill incarnation.
+    Heard(u64),
+}
+
 /// The two sessions, the wire between them, the engine's rooms, and the record of every
 /// room's end.
 pub struct Pair {
@@ -127,6 +138,9 @@ pub struct Pair {
     /// received (for the invariants).
     pub decode_effects: Vec<DecodeEffect>,
     pub decode_heard: Vec<u64>,
+    /// The decode's PINGs and the messages it heard, in order, with their times (for the
+    /// channel deadline's invariant).
+    pub decode_log: Vec<(Instant, Contact)>,
     /// A send fails (no connection) while true.
     pub cut: bool,
 }
@@ -148,6 +162,7 @@ impl Pair {
             prefill_submitted: Vec::new(),
             decode_effects: Vec::new(),
             decode_heard: Vec::new(),
+            decode_log: Vec::new(),
             cut: false,
         }
     }
@@ -168,6 +183,9 @@ impl Pair {
         while let Some(e) = todo.pop_front() {
             match &e {
                 DecodeEffect::Send { room, msg } => {
+                    if matches!(msg, Message::Ping { .. }) {
+                        self.decode_log.push((self.now, Contact::Ping));
+                    }
                     if self.cut {
                         let t = msg.msg_type();
                         let more = self.decode.on(
@@ -269,6 +287,8 @@ impl Pair {
         match decode_borrowed(&refs) {
             Ok((h, d)) => {
                 self.decode_heard.push(h.incarnation);
+                self.decode_log
+                    .push((self.now, Contact::Heard(h.incarnation)));
                 let effects = self.decode.on(DecodeEvent::Received(h, d), self.now);
                 self.decode_effects_out(effects);
             }

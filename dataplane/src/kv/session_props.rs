@@ -6,7 +6,9 @@
 //! - the decode is never established with a peer that did not prove the group key, nor
 //!   with a stale one (every message it heard since it authenticated came from the
 //!   incarnation it authenticated);
-//! - no room ended twice, and every end has a reason.
+//! - no room ended twice, and every end has a reason;
+//! - after a tick, the decode is established only if no PING has gone unanswered (no
+//!   message from the prefill since) for the channel deadline.
 //!
 //! At the end (both sides stopped), every room either side opened ended exactly once.
 
@@ -100,6 +102,32 @@ impl World {
 
     fn pick<T: Copy>(v: &[T], i: u8) -> Option<T> {
         (!v.is_empty()).then(|| v[i as usize % v.len()])
+    }
+
+    /// After a tick: established only while the first PING since the last message heard
+    /// from the established prefill is younger than the channel deadline.
+    fn check_deadline(&self) -> Result<(), TestCaseError> {
+        let p = &self.p;
+        let st = p.decode.status();
+        if st.state != ChannelState::Established {
+            return Ok(());
+        }
+        let after_last = p
+            .decode_log
+            .iter()
+            .rposition(|(_, c)| *c == Contact::Heard(st.peer_incarnation))
+            .map_or(0, |i| i + 1);
+        if let Some((at, _)) = p.decode_log[after_last..]
+            .iter()
+            .find(|(_, c)| *c == Contact::Ping)
+        {
+            prop_assert!(
+                p.now.duration_since(*at) < timings().channel_deadline,
+                "still established {:?} after an unanswered PING",
+                p.now.duration_since(*at)
+            );
+        }
+        Ok(())
     }
 
     fn run(&mut self, s: &Step) {
@@ -297,6 +325,9 @@ proptest! {
         for s in &steps {
             w.run(s);
             w.check()?;
+            if matches!(s, Step::Tick) {
+                w.check_deadline()?;
+            }
         }
         w.finish()?;
     }
@@ -337,6 +368,7 @@ fn the_random_runs_exercise_every_kind_of_end() {
         "peer_lost",
         "shutdown",
         "client_abort",
+        "peer_unresponsive",
     ] {
         assert!(
             reasons.contains(want),

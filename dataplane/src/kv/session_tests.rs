@@ -187,7 +187,7 @@ fn a_decode_without_the_key_gets_no_session_at_the_prefill() {
 }
 
 #[test]
-fn pings_go_every_probe_period_and_the_last_pong_is_what_readiness_measures() {
+fn pings_go_every_heartbeat_and_the_last_pong_is_what_readiness_measures() {
     let mut p = Pair::new();
     p.establish();
     let pings = |p: &Pair| {
@@ -196,24 +196,51 @@ fn pings_go_every_probe_period_and_the_last_pong_is_what_readiness_measures() {
             .filter(|m| matches!(m, Message::Ping { .. }))
             .count()
     };
+    let every = timings().channel_heartbeat();
+    assert_eq!(
+        every,
+        Duration::from_millis(250),
+        "a quarter of the deadline"
+    );
     let before = pings(&p);
-    for _ in 0..4 {
-        p.advance(timings().probe_period);
+    for _ in 0..8 {
+        p.advance(every / 2);
         p.round();
     }
-    assert_eq!(pings(&p), before + 4);
+    assert_eq!(
+        pings(&p),
+        before + 4,
+        "one PING per heartbeat, not per tick"
+    );
     assert_eq!(p.decode.status().last_pong, Some(p.now), "answered at once");
-    // The prefill stops answering: PINGs go on, the last PONG ages (the handle turns
-    // not-ready past the liveness window).
+    // A prefill that answers with something else (PROGRESS of a long prompt, KV) but no
+    // PONG (its PINGs are lost here; for less than its session expiry) is alive: the PONG
+    // ages past the channel deadline and the liveness window (readiness measures it), the
+    // session stays.
+    p.open(1, 10);
+    p.settle();
     let answered = p.now;
-    for _ in 0..4 {
-        p.advance(timings().probe_period);
+    for _ in 0..6 {
+        p.advance(every);
         p.tick();
         p.to_prefill.clear();
+        p.prefill_event(PrefillEvent::Engine {
+            room: 1,
+            update: EngineUpdate::Progress { prefilled: 5 },
+        });
+        p.settle();
     }
-    assert_eq!(pings(&p), before + 8);
+    assert_eq!(
+        state(&p),
+        ChannelState::Established,
+        "{:?}",
+        decode_ends(&p)
+    );
     assert_eq!(p.decode.status().last_pong, Some(answered));
     assert!(p.now.duration_since(answered) > timings().liveness_window());
+    assert!(p.now.duration_since(answered) > timings().channel_deadline);
+    assert!(p.now.duration_since(answered) < timings().session_expiry());
+    assert!(p.decode_ended.is_empty(), "{:?}", decode_ends(&p));
 }
 
 #[test]
@@ -363,6 +390,7 @@ fn a_lost_connection_fails_the_rooms_sent_at_once_and_keeps_the_others() {
     });
     assert_eq!(decode_ends(&p), [(1, "peer_lost")]);
     assert_eq!(state(&p), ChannelState::Idle);
+    assert_eq!(refusal(&p).as_deref(), Some("peer_lost"), "why, at once");
     // Unreachable: each attempt fails to send, says why, retries every 200 ms.
     p.open(2, 10);
     p.decode_event(DecodeEvent::Tick);

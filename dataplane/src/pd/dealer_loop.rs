@@ -47,6 +47,8 @@ pub(super) enum Command {
 pub(super) const STATE_IDLE: u8 = 0;
 pub(super) const STATE_HANDSHAKING: u8 = 1;
 pub(super) const STATE_ESTABLISHED: u8 = 2;
+/// The prefill stopped answering (the channel deadline passed); handshaking again.
+pub(super) const STATE_UNRESPONSIVE: u8 = 3;
 
 /// What `/ready` and the router read about one peer (written by its loop only).
 pub(super) struct PeerShared {
@@ -418,6 +420,18 @@ impl DealerLoop {
             } => {
                 tracing::warn!(%peer, %endpoint, peer_incarnation = %hex(peer_incarnation), rooms_failed, "connection to the prefill closed")
             }
+            DecodeNote::PeerUnresponsive {
+                peer_incarnation,
+                unanswered,
+                deadline,
+                rooms_failed,
+            } => {
+                kv.peer_unresponsive.inc();
+                tracing::warn!(%peer, peer_incarnation = %hex(peer_incarnation), reason = "peer_unresponsive", unanswered_ms = unanswered.as_millis() as u64, deadline_ms = deadline.as_millis() as u64, rooms_failed, "prefill unresponsive; failing its rooms and handshaking again");
+            }
+            DecodeNote::StaleWelcome { peer_incarnation } => {
+                tracing::info!(%peer, peer_incarnation = %hex(peer_incarnation), "stale WELCOME dropped (the answer to an earlier HELLO)");
+            }
             DecodeNote::PeerLeaving {
                 peer_incarnation,
                 reason,
@@ -445,6 +459,7 @@ impl DealerLoop {
         let st = self.session.status();
         let (est, state) = match st.state {
             ChannelState::Established => (true, STATE_ESTABLISHED),
+            _ if st.unresponsive => (false, STATE_UNRESPONSIVE),
             ChannelState::Handshaking => (false, STATE_HANDSHAKING),
             ChannelState::Idle => (false, STATE_IDLE),
         };

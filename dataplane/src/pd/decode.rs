@@ -11,7 +11,7 @@ use tokio::sync::mpsc as tmpsc;
 
 use super::dealer_loop::{
     Command, DealerConfig, DealerLoop, PeerShared, RoomFailure, STATE_ESTABLISHED,
-    STATE_HANDSHAKING,
+    STATE_HANDSHAKING, STATE_UNRESPONSIVE,
 };
 use super::report::{Check, PeerReport, loop_check, loop_stale_after};
 use super::settings::PdTimings;
@@ -215,6 +215,7 @@ impl DecodeHandle {
                 let state = match s.state.load(Ordering::Relaxed) {
                     _ if s.peer_draining.load(Ordering::Relaxed) => "peer_draining",
                     STATE_ESTABLISHED => "established",
+                    STATE_UNRESPONSIVE => "unresponsive",
                     STATE_HANDSHAKING => "handshaking",
                     _ => "idle",
                 };
@@ -232,6 +233,37 @@ impl DecodeHandle {
                 }
             })
             .collect()
+    }
+
+    /// Why no prefill can take a room, peer by peer: the refusal or failure that ended each
+    /// one's channel (`peer_unresponsive`, `peer_unreachable`, ...), so that a refused
+    /// request says what the operator would look up in `/ready`.
+    fn no_peer_message(&self) -> String {
+        let why: Vec<String> = self
+            .peers
+            .iter()
+            .map(|p| {
+                let s = &p.shared;
+                let reason = if s.peer_draining.load(Ordering::Relaxed) {
+                    "peer_shutdown: the prefill is shutting down".to_owned()
+                } else if s.established.load(Ordering::Relaxed) {
+                    if p.health.age() > self.stale_after {
+                        "loop_stalled: its KV loop is not going round".to_owned()
+                    } else {
+                        format!(
+                            "probe_timeout: last PONG {} ms ago",
+                            s.pong_age().as_millis()
+                        )
+                    }
+                } else if let Some(r) = s.last_refusal.get() {
+                    format!("{}: {}", r.reason, r.message)
+                } else {
+                    "handshaking: no session yet".to_owned()
+                };
+                format!("{} ({reason})", p.addr)
+            })
+            .collect();
+        format!("no prefill with a healthy KV channel: {}", why.join("; "))
     }
 
     /// Nothing changes for a decode when draining starts: its rooms belong to HTTP requests
@@ -269,7 +301,7 @@ impl DecodeHandle {
             .map(|i| &self.peers[i])
             .ok_or_else(|| RoomFailure {
                 code: FailCode::NoPeer,
-                message: "no prefill with a healthy KV channel".into(),
+                message: self.no_peer_message(),
             })?;
         let (reply, mut rx) = tmpsc::channel(1);
         let req = PrefillRequest {

@@ -75,6 +75,7 @@ fn a_stuck_kv_loop_flips_ready_within_one_probe_period_and_a_panicking_loop_rest
         failure_threshold: 2,
         bootstrap_timeout: Duration::from_millis(200),
         kv_timeout: Duration::from_secs(5),
+        channel_deadline: Duration::from_secs(1),
     };
     let metrics = Arc::new(Metrics::new());
     let client = decode::start(
@@ -223,6 +224,7 @@ fn timings() -> PdTimings {
         failure_threshold: 2,
         bootstrap_timeout: Duration::from_secs(5),
         kv_timeout: Duration::from_secs(20),
+        channel_deadline: Duration::from_secs(1),
     }
 }
 

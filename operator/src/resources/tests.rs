@@ -95,6 +95,7 @@ fn prefill_pod_has_labels_owner_hostname_ports_and_no_gate() {
             "--failure-threshold=3",
             "--bootstrap-timeout-seconds=10",
             "--kv-timeout-seconds=10",
+            "--channel-deadline-ms=1000",
             "--threads",
             "4"
         ]
@@ -182,6 +183,7 @@ fn decode_pod_has_gate_peers_and_the_key_in_its_env() {
             "--failure-threshold=3",
             "--bootstrap-timeout-seconds=10",
             "--kv-timeout-seconds=10",
+            "--channel-deadline-ms=1000",
             "--max-batch",
             "8"
         ]
@@ -249,6 +251,7 @@ fn the_invocation_takes_its_network_from_the_executor() {
             "--failure-threshold=3",
             "--bootstrap-timeout-seconds=10",
             "--kv-timeout-seconds=10",
+            "--channel-deadline-ms=1000",
         ]
     );
     assert_eq!(local.env, cluster.env, "the key, the same way");

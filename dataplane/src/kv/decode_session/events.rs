@@ -102,6 +102,17 @@ pub enum DecodeNote {
     },
     /// `peer_incarnation_changes`, `prefill restarted; failing its rooms and handshaking again`.
     PeerRestarted { old: u64, new: u64 },
+    /// `tandem_kv_peer_unresponsive_total`, `prefill unresponsive; failing its rooms and
+    /// handshaking again`: a PING went unanswered for the channel deadline.
+    PeerUnresponsive {
+        peer_incarnation: u64,
+        /// How long the PING went unanswered (at least the deadline).
+        unanswered: Duration,
+        deadline: Duration,
+        rooms_failed: usize,
+    },
+    /// `stale WELCOME dropped`: the answer to an earlier HELLO of this decode.
+    StaleWelcome { peer_incarnation: u64 },
     /// `peer_disconnects`, `connection to the prefill closed`.
     Disconnected {
         endpoint: String,
@@ -154,6 +165,9 @@ pub struct DecodeStatus<'a> {
     pub peer_incarnation: u64,
     /// The prefill said GOODBYE: no new rooms go there.
     pub peer_draining: bool,
+    /// The session ended because the prefill stopped answering; no new rooms until a
+    /// handshake succeeds again.
+    pub unresponsive: bool,
     /// The last PONG (or the handshake's completion).
     pub last_pong: Option<Instant>,
     pub rooms: usize,

@@ -48,6 +48,9 @@ impl DecodeSession {
             });
             return;
         }
+        if self.refuse_while_unresponsive(room) {
+            return;
+        }
         let data = DecodeRoom {
             prompt_len: req.tokens.len(),
             req: Some(req),

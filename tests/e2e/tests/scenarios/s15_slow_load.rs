@@ -37,6 +37,13 @@ pub async fn run(env: &Env) -> Result<()> {
     // this scenario is about (CI runs saw `kv_timeout: no progress while waiting_kv`, and a
     // MemberNotReady co-restart, ~20 s after Ready).
     s["spec"]["transfer"]["kvTimeoutSeconds"] = 120.into();
+    // Likewise the channel deadline (1 s by default): the prefill's socket loop answers
+    // PING while its engine computes, but under a 10m quota the whole process, that loop
+    // included, runs a millisecond every 100 ms. Measured with a real CFS quota (cgroup v1,
+    // debug binary, SmolLM2, a 60-token prompt): at 10m PONGs took up to 0.8 s and the
+    // prefill computing the prompt missed the 1 s deadline (the room failed
+    // peer_unresponsive); at 25m the slowest PONG was 0.41 s, at 100m 0.2 s, neither missed it.
+    s["spec"]["transfer"]["channelDeadlineMilliseconds"] = 60_000.into();
     s["spec"]["health"]["coRestartAfterSeconds"] = 300.into();
     let rec = PodRecorder::start(env, ns).await;
     env.kubectl.apply(ns, &yaml(&s)).await?;
