@@ -430,8 +430,12 @@ impl Sim {
         }
     }
 
-    /// Faults stop: every live pod's dataplane becomes ready.
+    /// Faults stop: lost nodes report again (their kubelets finish the terminations
+    /// there) and every live pod's dataplane becomes ready.
     pub fn heal_all(&mut self) {
+        for p in self.pods.values_mut() {
+            p.node_lost = false;
+        }
         let names: Vec<String> = self
             .pods
             .values()
