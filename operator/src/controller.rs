@@ -296,6 +296,8 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
 }
 
 #[cfg(test)]
+mod grace_tests;
+#[cfg(test)]
 mod mock_api;
 #[cfg(test)]
 mod observe_tests;

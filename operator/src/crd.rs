@@ -302,6 +302,18 @@ pub struct HealthSpec {
     #[serde(default = "default_startup_timeout")]
     #[schemars(range(min = 1, max = 86400))]
     pub startup_timeout_seconds: i32,
+    /// Grace period of a member removed because it is hung or failed (not ready, exited,
+    /// or on a node that stopped reporting): it is deleted with this grace instead of its
+    /// pod's own, since a stopped or wedged process cannot act on SIGTERM and would hold
+    /// its group's co-restart for the whole grace period. Members removed by a rollout, a
+    /// scale-down or a restart request, and a failed group's healthy members, keep their
+    /// full grace and drain. At least 1: a grace of 0 removes the pod from the API before
+    /// its kubelet has stopped the container, which may then still hold its node's GPU
+    /// while the next incarnation starts. At most 30, the pods' own grace period. Not part
+    /// of the revision: changing it rolls no group.
+    #[serde(default = "default_unresponsive_grace")]
+    #[schemars(range(min = 1, max = 30))]
+    pub unresponsive_grace_seconds: i32,
 }
 
 fn default_probe_period() -> i32 {
@@ -316,6 +328,11 @@ fn default_co_restart_after() -> i32 {
 fn default_startup_timeout() -> i32 {
     600
 }
+/// The default of `health.unresponsiveGraceSeconds`.
+pub const DEFAULT_UNRESPONSIVE_GRACE_SECONDS: i32 = 2;
+fn default_unresponsive_grace() -> i32 {
+    DEFAULT_UNRESPONSIVE_GRACE_SECONDS
+}
 
 impl Default for HealthSpec {
     fn default() -> Self {
@@ -324,6 +341,7 @@ impl Default for HealthSpec {
             failure_threshold: default_failure_threshold(),
             co_restart_after_seconds: default_co_restart_after(),
             startup_timeout_seconds: default_startup_timeout(),
+            unresponsive_grace_seconds: default_unresponsive_grace(),
         }
     }
 }
@@ -597,12 +615,48 @@ impl RevisionedSpec {
     }
 
     /// Short stable hash of the pod-shaping spec (serde_json keeps struct field order,
-    /// and maps are BTreeMaps, so the encoding is canonical).
+    /// and maps are BTreeMaps, so the encoding is canonical). `health` is hashed without
+    /// `unresponsiveGraceSeconds`, which only the operator reads when it deletes a pod:
+    /// changing it must not roll a group, and adding it left every revision as it was.
     pub fn revision(&self) -> String {
-        let json = serde_json::to_vec(self).expect("spec types always serialize");
+        let h = &self.health;
+        let hashed = Hashed {
+            model: &self.model,
+            prefill: &self.prefill,
+            decode: &self.decode,
+            transfer: &self.transfer,
+            health: HashedHealth {
+                probe_period_seconds: h.probe_period_seconds,
+                failure_threshold: h.failure_threshold,
+                co_restart_after_seconds: h.co_restart_after_seconds,
+                startup_timeout_seconds: h.startup_timeout_seconds,
+            },
+        };
+        let json = serde_json::to_vec(&hashed).expect("spec types always serialize");
         let digest = Sha256::digest(&json);
         hex::encode(&digest[..5])
     }
+}
+
+/// What [`RevisionedSpec::revision`] hashes: the spec's fields, in its order.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Hashed<'a> {
+    model: &'a ModelSpec,
+    prefill: &'a RoleSpec,
+    decode: &'a RoleSpec,
+    transfer: &'a TransferSpec,
+    health: HashedHealth,
+}
+
+/// The fields of [`HealthSpec`] that shape pods or the group's triggers, in its order.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct HashedHealth {
+    probe_period_seconds: i32,
+    failure_threshold: i32,
+    co_restart_after_seconds: i32,
+    startup_timeout_seconds: i32,
 }
 
 /// The CEL rule on `metadata.name`: every child name derives from it (see

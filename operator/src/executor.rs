@@ -24,7 +24,7 @@
 
 use k8s_openapi::jiff::Timestamp;
 
-use crate::planner::{DeleteReason, PlannedAction, PlannedEvent, PodIntent};
+use crate::planner::{DeleteReason, Grace, PlannedAction, PlannedEvent, PodIntent};
 use crate::role::Role;
 
 /// Carries out one kind of planned action per method. `now` is the plan's time. An error
@@ -59,13 +59,11 @@ pub trait Executor {
         intent: &PodIntent,
         now: Timestamp,
     ) -> Result<(), Self::Error>;
-    /// Stop a member (SIGTERM, SIGKILL after the grace period).
+    /// Stop a member: SIGTERM, SIGKILL after `grace` (its own grace period, or the short
+    /// one the planner chose for a hung or failed member).
     async fn delete_member(
         &mut self,
-        pod: &str,
-        group: i32,
-        role: Role,
-        reason: DeleteReason,
+        delete: &MemberDelete<'_>,
         now: Timestamp,
     ) -> Result<(), Self::Error>;
     /// Remove a member whose deletion nobody confirmed in time (grace period 0).
@@ -90,6 +88,17 @@ pub trait Executor {
         event: &PlannedEvent,
         now: Timestamp,
     ) -> Result<(), Self::Error>;
+}
+
+/// A [`PlannedAction::DeletePod`], as the executors receive it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemberDelete<'a> {
+    pub pod: &'a str,
+    pub group: i32,
+    pub role: Role,
+    pub incarnation: i64,
+    pub reason: DeleteReason,
+    pub grace: Grace,
 }
 
 /// Carry out one action with `executor`.
@@ -117,11 +126,19 @@ pub async fn execute<E: Executor>(
             name,
             group,
             role,
+            incarnation,
             reason,
+            grace,
         } => {
-            executor
-                .delete_member(name, *group, *role, *reason, now)
-                .await
+            let delete = MemberDelete {
+                pod: name,
+                group: *group,
+                role: *role,
+                incarnation: *incarnation,
+                reason: *reason,
+                grace: *grace,
+            };
+            executor.delete_member(&delete, now).await
         }
         PlannedAction::ForceDeletePod { name, group, role } => {
             executor.force_delete_member(name, *group, *role, now).await

@@ -9,7 +9,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::planner::Plan;
+use crate::planner::{Plan, PlannedAction};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
@@ -27,7 +27,17 @@ pub struct Metrics {
     pub is_leader: Gauge,
     pub unparsable_pods: Counter,
     pub force_deleted_pods: Counter,
+    pub member_deletes: Family<DeleteLabels, Counter>,
     pub ready_reads: Family<ResultLabel, Counter>,
+}
+
+/// A member delete: why (the co-restart reason or `ScaleDown`), with which grace (`full`,
+/// `short`) and why short (`exited`, `not_ready`, `node_lost`; `none` for the full grace).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DeleteLabels {
+    pub reason: String,
+    pub grace: String,
+    pub cause: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -54,6 +64,7 @@ impl Metrics {
         let is_leader = Gauge::default();
         let unparsable_pods = Counter::default();
         let force_deleted_pods = Counter::default();
+        let member_deletes = Family::<DeleteLabels, Counter>::default();
         let ready_reads = Family::<ResultLabel, Counter>::default();
         // Counters get their `_total` suffix from the encoder.
         registry.register(
@@ -97,6 +108,11 @@ impl Metrics {
             force_deleted_pods.clone(),
         );
         registry.register(
+            "member_deletes",
+            "Member deletes the planner asked for, by reason, grace (full: the pod's own; short: health.unresponsiveGraceSeconds) and why the grace is short (exited, not_ready, node_lost; none)",
+            member_deletes.clone(),
+        );
+        registry.register(
             "decode_ready_reads",
             "Reads of a not-ready decode pod's /ready by result: not_ready (it gave a reason), ready, or why it could not be read (probe_unreachable, probe_unknown_format, probe_malformed)",
             ready_reads.clone(),
@@ -111,6 +127,7 @@ impl Metrics {
             is_leader,
             unparsable_pods,
             force_deleted_pods,
+            member_deletes,
             ready_reads,
         }
     }
@@ -150,6 +167,17 @@ impl Metrics {
                 })
                 .inc();
         }
+        for a in &plan.actions {
+            if let PlannedAction::DeletePod { reason, grace, .. } = a {
+                self.member_deletes
+                    .get_or_create(&DeleteLabels {
+                        reason: reason.as_str().to_string(),
+                        grace: grace.kind().to_string(),
+                        cause: grace.cause().to_string(),
+                    })
+                    .inc();
+            }
+        }
         for (_, took) in &plan.became_ready {
             self.group_ready_seconds.observe(took.as_secs_f64());
         }
@@ -181,7 +209,7 @@ impl Drop for ReconcileTimer<'_> {
 mod tests {
     use super::*;
     use crate::crd::{CoRestartReason, PDDeploymentStatus};
-    use crate::planner::CoRestart;
+    use crate::planner::{CoRestart, DeleteReason, Grace, Role, UnresponsiveCause};
 
     #[test]
     fn names_and_labels_are_exported() {
@@ -192,8 +220,25 @@ mod tests {
         m.reconcile_failed("kube_api");
         m.is_leader.set(1);
         m.ready_read("probe_unreachable");
+        let delete = |name: &str, grace| PlannedAction::DeletePod {
+            name: name.into(),
+            group: 0,
+            role: Role::Prefill,
+            incarnation: 1,
+            reason: DeleteReason::CoRestart(CoRestartReason::MemberNotReady),
+            grace,
+        };
         m.plan_applied(&Plan {
-            actions: vec![],
+            actions: vec![
+                delete("a", Grace::Full),
+                delete(
+                    "b",
+                    Grace::Unresponsive {
+                        seconds: 2,
+                        cause: UnresponsiveCause::NotReady,
+                    },
+                ),
+            ],
             status: PDDeploymentStatus::default(),
             co_restarts: vec![CoRestart {
                 group: 0,
@@ -214,6 +259,8 @@ mod tests {
             "tandem_operator_reconcile_duration_seconds_count 1",
             "tandem_operator_is_leader 1",
             "tandem_operator_decode_ready_reads_total{result=\"probe_unreachable\"} 1",
+            "tandem_operator_member_deletes_total{reason=\"MemberNotReady\",grace=\"full\",cause=\"none\"} 1",
+            "tandem_operator_member_deletes_total{reason=\"MemberNotReady\",grace=\"short\",cause=\"not_ready\"} 1",
         ] {
             assert!(text.contains(needle), "missing {needle:?} in\n{text}");
         }

@@ -68,8 +68,15 @@ pub struct ObservedPod {
     /// the executor's routing needs time to follow it; `None` where it follows at once (the
     /// local runtime's router) or the gate was never set.
     pub gate_closed_since: Option<Timestamp>,
-    /// `deletionTimestamp`: when a terminating pod's grace period ends.
+    /// `deletionTimestamp`: when a terminating pod's grace period ends. The API server
+    /// sets it from the grace of the delete that started the termination, so a pod
+    /// deleted with the short grace ([`Grace::Unresponsive`]) is force-deleted that much
+    /// sooner.
     pub deletion_deadline: Option<Timestamp>,
+    /// Its node stopped reporting: the node lifecycle controller turned the pod's `Ready`
+    /// False while the kubelet's last word (`ContainersReady`) was still True. Such a pod
+    /// cannot be stopped gracefully (its kubelet is gone); always false locally.
+    pub node_lost: bool,
     /// Why the pod is not running yet, when the scheduler or the kubelet said why
     /// (`Unschedulable: …`, `ImagePullBackOff: …`, `CreateContainerConfigError: …`).
     pub waiting: Option<String>,
@@ -137,6 +144,85 @@ pub enum DeleteReason {
     ScaleDown,
 }
 
+impl DeleteReason {
+    /// The metric label: the co-restart reason, or `ScaleDown`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DeleteReason::CoRestart(r) => r.as_str(),
+            DeleteReason::ScaleDown => "ScaleDown",
+        }
+    }
+}
+
+/// How long a deleted member is given between SIGTERM and SIGKILL. The planner decides
+/// (`group::removal_grace`); the executors carry it out: on a cluster as the delete's
+/// `gracePeriodSeconds`, locally as the delay before SIGKILL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grace {
+    /// The member's own grace period (the pod's `terminationGracePeriodSeconds`; locally
+    /// `--grace-period-seconds`): it can act on SIGTERM, so it drains and exits early.
+    Full,
+    /// `health.unresponsiveGraceSeconds`: the member cannot act on SIGTERM or has nothing
+    /// left to drain, and waiting out its full grace would only hold its group's
+    /// co-restart (a stopped process ignores SIGTERM until the SIGKILL).
+    Unresponsive {
+        seconds: i32,
+        cause: UnresponsiveCause,
+    },
+}
+
+impl Grace {
+    /// The metric label: `full` or `short`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Grace::Full => "full",
+            Grace::Unresponsive { .. } => "short",
+        }
+    }
+
+    /// Why the grace is short (a metric label; `none` for the full grace).
+    pub fn cause(&self) -> &'static str {
+        match self {
+            Grace::Full => "none",
+            Grace::Unresponsive { cause, .. } => cause.as_str(),
+        }
+    }
+}
+
+/// Why a member removed by a failure co-restart is taken for unresponsive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnresponsiveCause {
+    /// It has exited (pod `Failed` or `Succeeded`): nothing is left to drain.
+    Exited,
+    /// It is not ready through its own fault: a prefill (its readiness is its own engine
+    /// and KV loop), or a decode whose prefills are all ready. A hung process (SIGSTOP, a
+    /// wedged loop) is not ready and cannot act on SIGTERM.
+    NotReady,
+    /// Its node stopped reporting: no kubelet is there to stop it gracefully.
+    NodeLost,
+}
+
+impl UnresponsiveCause {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            UnresponsiveCause::Exited => "exited",
+            UnresponsiveCause::NotReady => "not_ready",
+            UnresponsiveCause::NodeLost => "node_lost",
+        }
+    }
+
+    /// For people: the log lines and Events.
+    pub fn describe(&self) -> &'static str {
+        match self {
+            UnresponsiveCause::Exited => "it has exited",
+            UnresponsiveCause::NotReady => {
+                "it is not ready and cannot be relied on to act on SIGTERM"
+            }
+            UnresponsiveCause::NodeLost => "its node stopped reporting",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventKind {
     Normal,
@@ -171,7 +257,10 @@ pub enum PlannedAction {
         name: String,
         group: i32,
         role: Role,
+        /// The pod's incarnation (for the executors' log lines).
+        incarnation: i64,
         reason: DeleteReason,
+        grace: Grace,
     },
     /// Remove a pod whose deletion nobody confirmed within its grace period plus
     /// [`FORCE_DELETE_MARGIN`] (its node is gone or its kubelet hung): delete it with grace
@@ -554,6 +643,8 @@ fn note_phase(ctx: &mut Ctx<'_>, mem: &GroupStatus, prev: Option<GroupPhase>) {
     ctx.event(type_, EventReason::GroupPhaseChanged, mem.index, message);
 }
 
+#[cfg(test)]
+mod grace_tests;
 #[cfg(test)]
 mod props;
 #[cfg(test)]

@@ -48,6 +48,9 @@ pub enum EventReason {
     ScalingDown,
     /// A pod past its grace period and the margin was deleted with grace period 0.
     PodForceDeleted,
+    /// A hung or failed member was deleted with `health.unresponsiveGraceSeconds` instead
+    /// of its full grace period.
+    UnresponsiveMemberDeleted,
     /// See [`Problem`].
     Problem(Problem),
     /// Local runtime: the edited manifest is refused (the running spec stays).
@@ -67,6 +70,7 @@ impl EventReason {
             Self::GroupPhaseChanged => "GroupPhaseChanged",
             Self::ScalingDown => "ScalingDown",
             Self::PodForceDeleted => "PodForceDeleted",
+            Self::UnresponsiveMemberDeleted => "UnresponsiveMemberDeleted",
             Self::Problem(p) => p.as_str(),
             Self::InvalidSpec => "InvalidSpec",
             Self::SpecChanged => "SpecChanged",
@@ -82,6 +86,7 @@ impl EventReason {
             Self::GroupPhaseChanged => "UpdateGroupPhase",
             Self::ScalingDown => "ScaleDown",
             Self::PodForceDeleted => "ForceDelete",
+            Self::UnresponsiveMemberDeleted => "Delete",
             Self::Problem(Problem::InvalidRestartRequest) | Self::RestartRequestChanged => {
                 "ParseAnnotation"
             }

@@ -32,6 +32,9 @@ const FAILURE_THRESHOLD: u64 = 3;
 const WINDOW: u64 = 4;
 /// The runtime's SIGTERM → SIGKILL delay in these tests.
 const GRACE: u64 = 3;
+/// `health.unresponsiveGraceSeconds` of the stopped-prefill test: the SIGKILL delay of a
+/// hung member, shorter than [`GRACE`] so that the test tells them apart.
+const UNRESPONSIVE_GRACE: u64 = 1;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -534,7 +537,13 @@ fn a_killed_decode_co_restarts_its_group_prefill_first_and_serving_resumes() {
 #[test]
 fn a_stopped_prefill_makes_the_group_unavailable_then_co_restarts_it_after_the_window() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let mut l = Local::start("stop", &manifest("stop", |_| {}));
+    let mut l = Local::start(
+        "stop",
+        &manifest("stop", |m| {
+            m["spec"]["health"]["unresponsiveGraceSeconds"] =
+                serde_yaml::Value::Number(UNRESPONSIVE_GRACE.into());
+        }),
+    );
     assert_chat(&l);
     let p1 = l.member("prefill", 1);
     let d1 = l.member("decode", 1);
@@ -569,7 +578,9 @@ fn a_stopped_prefill_makes_the_group_unavailable_then_co_restarts_it_after_the_w
         "co-restarted {co_restart_after:?} after SIGSTOP, window {WINDOW}s"
     );
     assert_eq!(l.group()["lastCoRestart"]["reason"], "MemberNotReady");
-    // The stopped prefill ignores SIGTERM until SIGKILL after the grace period.
+    // The stopped prefill ignores SIGTERM: it is SIGKILLed after the short grace of an
+    // unresponsive member, not the runtime's grace; the decode, its healthy peer, was
+    // given the full grace (and exited at SIGTERM).
     let p1_name = name_of(&p1);
     l.wait_for(
         "the stopped prefill to be killed",
@@ -584,11 +595,41 @@ fn a_stopped_prefill_makes_the_group_unavailable_then_co_restarts_it_after_the_w
     assert!(Local::seq(&rec, "Killed", &p1_name) > Local::seq(&rec, "Terminating", &p1_name));
     assert!(Local::seq(&rec, "Exited", &d1_name) < Local::seq(&rec, "Terminating", &p1_name));
     assert!(!alive(pid_of(&p1)));
+    let entry = |kind: &str, pod: &str| {
+        rec.iter()
+            .find(|e| e["kind"] == kind && e["pod"] == pod)
+            .unwrap_or_else(|| panic!("no {kind} entry for {pod}"))
+            .clone()
+    };
+    let at = |e: &Value| -> k8s_openapi::jiff::Timestamp {
+        e["time"].as_str().unwrap().parse().unwrap()
+    };
+    let term_p = entry("Terminating", &p1_name);
+    let term_d = entry("Terminating", &d1_name);
+    let msg = |e: &Value| e["message"].as_str().unwrap().to_string();
+    assert!(
+        msg(&term_p).contains(&format!("SIGKILL after {UNRESPONSIVE_GRACE}s"))
+            && msg(&term_p).contains("unresponsive"),
+        "{}",
+        msg(&term_p)
+    );
+    assert!(
+        msg(&term_d).contains(&format!("SIGKILL after {GRACE}s")),
+        "{}",
+        msg(&term_d)
+    );
+    let killed_after = at(&entry("Killed", &p1_name))
+        .duration_since(at(&term_p))
+        .as_secs_f64();
+    assert!(
+        (UNRESPONSIVE_GRACE as f64..GRACE as f64).contains(&killed_after),
+        "the stopped prefill was killed {killed_after:.2}s after SIGTERM: short grace {UNRESPONSIVE_GRACE}s, full {GRACE}s"
+    );
     let recovered = l.wait_for("serving again", Duration::from_secs(120), |l| {
         l.get("/ready").status == 200
     });
     println!(
-        "local_runtime: SIGSTOP of the prefill → co-restart after {:.1} s (window {WINDOW} s), serving again {:.1} s later",
+        "local_runtime: SIGSTOP of the prefill → co-restart after {:.1} s (window {WINDOW} s), the stopped prefill SIGKILLed {killed_after:.2} s after its SIGTERM (unresponsiveGraceSeconds {UNRESPONSIVE_GRACE}, full grace {GRACE} s), serving again {:.1} s later",
         co_restart_after.as_secs_f64(),
         recovered.as_secs_f64()
     );

@@ -15,9 +15,9 @@ use super::observe::Foreign;
 use super::report::publish;
 use super::{Context, Error, FIELD_MANAGER, is_status};
 use crate::crd::{PDDeployment, conditions};
-use crate::executor::Executor;
+use crate::executor::{Executor, MemberDelete};
 use crate::names;
-use crate::planner::{DeleteReason, PlannedEvent, PodIntent};
+use crate::planner::{Grace, PlannedEvent, PodIntent};
 use crate::reasons::ConditionReason;
 use crate::resources;
 use crate::role::Role;
@@ -159,16 +159,36 @@ impl Executor for KubeExecutor<'_> {
         create_if_missing(&self.api::<Pod>(), &pod, "pod").await
     }
 
-    async fn delete_member(
-        &mut self,
-        pod: &str,
-        group: i32,
-        role: Role,
-        reason: DeleteReason,
-        _now: Timestamp,
-    ) -> Result<(), Error> {
-        info!(pod, group, role = role.as_str(), ?reason, "deleting pod");
-        let dp = DeleteParams::default();
+    /// The full grace is the pod's own (`terminationGracePeriodSeconds`): the delete names
+    /// none. The short one is the delete's `gracePeriodSeconds`; the API server then sets
+    /// `deletionTimestamp` that much ahead, which is what the planner's force-delete
+    /// follows.
+    async fn delete_member(&mut self, d: &MemberDelete<'_>, _now: Timestamp) -> Result<(), Error> {
+        let (pod, group, role, incarnation) = (d.pod, d.group, d.role.as_str(), d.incarnation);
+        let reason = d.reason.as_str();
+        let dp = match d.grace {
+            Grace::Full => {
+                info!(pod, group, role, incarnation, reason, "deleting pod");
+                DeleteParams::default()
+            }
+            Grace::Unresponsive { seconds, cause } => {
+                warn!(
+                    pod,
+                    group,
+                    role,
+                    incarnation,
+                    reason,
+                    cause = cause.as_str(),
+                    grace_seconds = seconds,
+                    "deleting an unresponsive pod with a short grace period: {}",
+                    cause.describe()
+                );
+                DeleteParams {
+                    grace_period_seconds: Some(u32::try_from(seconds.max(1)).unwrap_or(1)),
+                    ..Default::default()
+                }
+            }
+        };
         delete(&self.api::<Pod>(), pod, "pod", &dp).await
     }
 

@@ -48,6 +48,7 @@ pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
         .unwrap_or_default();
     let cond = |t: &str| pod_conditions.iter().find(|c| c.type_ == t);
     let (ready, not_ready_since) = readiness(cond("ContainersReady"), cond("Ready"));
+    let node_lost = node_lost(cond("ContainersReady"), cond("Ready"));
     let gate = cond(conditions::GROUP_READY);
     let group_ready_gate = gate.is_some_and(|c| c.status == "True");
     let gate_closed_since = gate
@@ -67,6 +68,7 @@ pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
         group_ready_gate,
         gate_closed_since,
         deletion_deadline: pod.metadata.deletion_timestamp.as_ref().map(|t| t.0),
+        node_lost,
         waiting: waiting_reason(pod),
         exit: exit_reason(pod),
         // Read from the pod itself over HTTP by `observe` (not from the API object).
@@ -170,6 +172,20 @@ pub(super) fn readiness(
         }
         _ => (true, None),
     }
+}
+
+/// The pod's node stopped reporting: `Ready` is False for a reason other than the
+/// readiness gates while `ContainersReady` is still True. Only the node lifecycle
+/// controller writes that (it turns `Ready` alone False, keeping the reason, which was
+/// empty for a Ready pod); the kubelet turns both False together (`ContainersNotReady`).
+pub(super) fn node_lost(
+    containers_ready: Option<&PodCondition>,
+    ready: Option<&PodCondition>,
+) -> bool {
+    containers_ready.is_some_and(|c| c.status == "True")
+        && ready.is_some_and(|r| {
+            r.status == "False" && r.reason.as_deref() != Some("ReadinessGatesNotReady")
+        })
 }
 
 /// How the dataplane container ended, as the kubelet reports it (`OOMKilled, exit code

@@ -250,9 +250,14 @@ async fn a_failed_decode_co_restarts_the_group_decode_first() {
         let pod =
             serde_json::to_value(member(Role::Decode, 1, "Failed", false, Some(false))).unwrap();
         gate.reply(StatusCode::OK, pod.clone());
-        api.next(Method::DELETE, &format!("{PODS}/demo-g0-i1-d0?"))
-            .await
-            .reply(StatusCode::OK, pod);
+        // It has exited: nothing to drain, so the short grace (and an Event saying so).
+        let ev = api.event().await;
+        assert_eq!(ev["reason"], "UnresponsiveMemberDeleted");
+        let del = api
+            .next(Method::DELETE, &format!("{PODS}/demo-g0-i1-d0?"))
+            .await;
+        assert_eq!(del.body["gracePeriodSeconds"], 2, "{}", del.body);
+        del.reply(StatusCode::OK, pod);
         let ev = api.event().await;
         assert_eq!(ev["reason"], "GroupPhaseChanged");
         let status = api.status().await;
@@ -276,12 +281,15 @@ async fn a_failed_decode_co_restarts_the_group_decode_first() {
     let (result, metrics) = run(trigger.clone(), |mut api| async move {
         api.reads(&trigger, &[prefill], true).await;
         api.objects().await;
-        api.next(Method::DELETE, &format!("{PODS}/demo-g0-i1-p0?"))
-            .await
-            .reply(
-                StatusCode::OK,
-                json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 200}),
-            );
+        // The ready prefill was the healthy peer: its full grace (the pod's own).
+        let del = api
+            .next(Method::DELETE, &format!("{PODS}/demo-g0-i1-p0?"))
+            .await;
+        assert!(del.body["gracePeriodSeconds"].is_null(), "{}", del.body);
+        del.reply(
+            StatusCode::OK,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 200}),
+        );
         let status = api.status().await;
         assert_eq!(status.group_statuses[0].incarnation, 2);
         api.done().await;

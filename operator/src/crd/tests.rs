@@ -330,3 +330,25 @@ fn the_roles_args_are_bounded_and_ruled_at_admission() {
         );
     }
 }
+
+/// `health.unresponsiveGraceSeconds` is read by the operator alone, when it deletes a pod:
+/// changing it rolls no group, and its arrival left every revision as it was (the hash
+/// is the one of the encoding without the field, which is what the spec was before).
+#[test]
+fn revision_ignores_the_unresponsive_grace_and_kept_its_old_value() {
+    use sha2::Digest as _;
+    let mut spec = crate::testutil::spec(1);
+    let r1 = RevisionedSpec::from_spec(&spec).revision();
+    spec.health.unresponsive_grace_seconds = 7;
+    let rev = RevisionedSpec::from_spec(&spec);
+    assert_eq!(rev.revision(), r1);
+    let full = serde_json::to_string(&rev).unwrap();
+    let field = ",\"unresponsiveGraceSeconds\":7";
+    assert!(full.contains(field), "{full}");
+    let before = full.replace(field, "");
+    let digest = sha2::Sha256::digest(before.as_bytes());
+    assert_eq!(hex::encode(&digest[..5]), r1);
+    // Every other health field is still part of it.
+    spec.health.co_restart_after_seconds += 1;
+    assert_ne!(RevisionedSpec::from_spec(&spec).revision(), r1);
+}

@@ -4,7 +4,7 @@
 //! | planner action | on Kubernetes (controller) | here |
 //! | --- | --- | --- |
 //! | `CreatePod` | server-side apply of the pod | start a `tandem-dataplane` process with the same args and env ([`crate::resources::dataplane_invocation`]), on free loopback ports |
-//! | `DeletePod` | delete (kubelet: SIGTERM, SIGKILL after the grace period) | SIGTERM, SIGKILL after the grace period; an exited process is removed at once |
+//! | `DeletePod` | delete (kubelet: SIGTERM, SIGKILL after the grace period; the short grace as `gracePeriodSeconds`) | SIGTERM, SIGKILL after the grace period (`--grace-period-seconds`, or the planner's short grace for a hung member, never longer); an exited process is removed at once |
 //! | `SetGroupReadyGate` | patch the pod's `tandem.dev/group-ready` condition | add to / remove from the local router |
 //! | `CreateGroupSecret` | create the Secret with a random key | keep a random key in memory, given to the group's members |
 //! | `ApplyClientService` | apply the client Service | the router is already listening: recorded |
@@ -31,9 +31,9 @@ pub use super::record::{Entry, EntryKind, Record};
 use crate::names;
 use futures::FutureExt;
 
-use crate::executor::{self, Executor};
+use crate::executor::{self, Executor, MemberDelete};
 use crate::planner::{
-    DeleteReason, EventKind, Observed, PlannedAction, PlannedEvent, PodIntent, Role,
+    DeleteReason, EventKind, Grace, Observed, PlannedAction, PlannedEvent, PodIntent, Role,
 };
 use crate::resources::{self, DataplaneNetwork};
 
@@ -297,7 +297,7 @@ impl<P: Processes> LocalExecutor<P> {
         );
     }
 
-    fn delete(&mut self, pod: &str, role: Role, why: &str, now: Timestamp) {
+    fn delete(&mut self, pod: &str, role: Role, why: &str, grace: Grace, now: Timestamp) {
         let Some(m) = self.members.get_mut(pod) else {
             return;
         };
@@ -317,23 +317,37 @@ impl<P: Processes> LocalExecutor<P> {
             return;
         }
         self.processes.signal(pod, Signal::SIGTERM);
-        let grace = self.config.grace;
+        // The short grace never lengthens the runtime's own.
+        let (wait, unresponsive) = match grace {
+            Grace::Full => (self.config.grace, None),
+            Grace::Unresponsive { seconds, cause } => (
+                Duration::from_secs(seconds.max(1) as u64).min(self.config.grace),
+                Some(cause),
+            ),
+        };
         m.terminating = Some(Termination {
             since: now,
-            kill_at: after(now, grace),
+            kill_at: after(now, wait),
             killed: false,
             reason: why.to_string(),
         });
-        let msg = format!(
-            "SIGTERM to {} {pod} (pid {}) for {why}; SIGKILL after {}s if still running",
+        let mut msg = format!(
+            "SIGTERM to {} {pod} (pid {}, incarnation {}) for {why}; SIGKILL after {}s if still running",
             role.as_str(),
             m.pid,
-            grace.as_secs()
+            m.incarnation,
+            wait.as_secs()
         );
+        if let Some(c) = unresponsive {
+            msg.push_str(&format!(
+                " (the short grace of an unresponsive member: {})",
+                c.describe()
+            ));
+        }
         self.record.push(
             now,
             EntryKind::Terminating,
-            false,
+            unresponsive.is_some(),
             group,
             Some(pod),
             None,
@@ -350,7 +364,7 @@ impl<P: Processes> LocalExecutor<P> {
             .map(|m| m.name.clone())
             .collect();
         for p in pods {
-            self.delete(&p, role, why, now);
+            self.delete(&p, role, why, Grace::Full, now);
         }
     }
 
@@ -610,15 +624,8 @@ impl<P: Processes> Executor for LocalExecutor<P> {
         self.create(intent, now)
     }
 
-    async fn delete_member(
-        &mut self,
-        pod: &str,
-        _group: i32,
-        role: Role,
-        reason: DeleteReason,
-        now: Timestamp,
-    ) -> Result<(), String> {
-        self.delete(pod, role, &delete_reason(reason), now);
+    async fn delete_member(&mut self, d: &MemberDelete<'_>, now: Timestamp) -> Result<(), String> {
+        self.delete(d.pod, d.role, &delete_reason(d.reason), d.grace, now);
         Ok(())
     }
 

@@ -219,6 +219,8 @@ impl Member {
             // The executor sends SIGKILL itself when the grace period ends, so a local
             // member never needs the planner's force-delete (a remedy for lost nodes).
             deletion_deadline: None,
+            // Every member runs on this machine, which is never lost to itself.
+            node_lost: false,
             // A local member runs as soon as it is spawned (a spawn failure is an exit).
             waiting: None,
             exit: self.exit.as_ref().map(|e| e.how.clone()),

@@ -8,9 +8,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::build::{build_group, decode_not_ready};
 use super::{
-    CoRestart, Ctx, DeleteReason, ENDPOINTS_SETTLE, EventKind, FORCE_DELETE_MARGIN, ObservedPod,
-    PlannedAction, PodPhase, READY_DETAIL_REFRESH, Role, Trigger, add, backoff_delay, close_gates,
-    is_failure, note_phase, until,
+    CoRestart, Ctx, DeleteReason, ENDPOINTS_SETTLE, EventKind, FORCE_DELETE_MARGIN, Grace,
+    ObservedPod, PlannedAction, PodPhase, READY_DETAIL_REFRESH, Role, Trigger, UnresponsiveCause,
+    add, backoff_delay, close_gates, is_failure, note_phase, until,
 };
 use crate::crd::{CoRestartReason, CoRestartRecord, GroupPhase, GroupStatus, RestartPolicy};
 use crate::reasons::EventReason;
@@ -108,17 +108,97 @@ fn remove_in_order(ctx: &mut Ctx<'_>, pods: &[&ObservedPod], reason: DeleteReaso
             if p.terminating {
                 force_delete_if_stuck(ctx, p);
             } else {
+                let grace = removal_grace(ctx, p, pods, reason);
+                if let Grace::Unresponsive { seconds, cause } = grace {
+                    ctx.event(
+                        EventKind::Warning,
+                        EventReason::UnresponsiveMemberDeleted,
+                        p.group,
+                        format!(
+                            "{} pod {} (incarnation {}) deleted with grace {seconds}s for {}: {}",
+                            role.as_str(),
+                            p.name,
+                            p.incarnation,
+                            reason.as_str(),
+                            cause.describe()
+                        ),
+                    );
+                }
                 ctx.actions.push(PlannedAction::DeletePod {
                     name: p.name.clone(),
                     group: p.group,
                     role,
+                    incarnation: p.incarnation,
                     reason,
+                    grace,
                 });
             }
         }
         return false;
     }
     true
+}
+
+/// The grace a member is deleted with: the short `health.unresponsiveGraceSeconds` for a
+/// member that is the cause of a failure co-restart and cannot drain, its full grace for
+/// everything else.
+///
+/// Why: the grace period is there so that a process can finish its work after SIGTERM. A
+/// process that is stopped or wedged cannot act on SIGTERM, so its grace only delays the
+/// SIGKILL — and its group's rebuild, which waits for the old pods to be gone (a SIGSTOPped
+/// prefill held its group 30 s). A planned removal (rollout, restart request, scale-down)
+/// takes healthy members, which drain, so it always keeps the full grace. In a failure
+/// co-restart a member is taken for the cause, and gets the short grace, when it
+/// - has exited (nothing is left to drain);
+/// - is on a node that stopped reporting (no kubelet will stop it gracefully; the grace
+///   only delays the force-delete, which follows `deletionTimestamp`);
+/// - is a prefill that is not ready (its readiness is its own engine and KV loop);
+/// - is a decode that is not ready while every prefill of its incarnation is ready (its
+///   readiness is its channel to them, so with healthy prefills the fault is its own).
+///
+/// The healthy peer keeps its full grace: a ready member, and a decode that is not ready
+/// only because a prefill of its incarnation is not (its channel is down with its peer),
+/// is alive, acts on SIGTERM, ends its requests with a reason and exits well within its
+/// grace. A pod of a stale incarnation is judged the same way: being stale says nothing
+/// about whether it can drain.
+fn removal_grace(
+    ctx: &Ctx<'_>,
+    p: &ObservedPod,
+    pods: &[&ObservedPod],
+    reason: DeleteReason,
+) -> Grace {
+    let DeleteReason::CoRestart(r) = reason else {
+        return Grace::Full;
+    };
+    if !is_failure(r) {
+        return Grace::Full;
+    }
+    let cause = if matches!(p.phase, PodPhase::Failed | PodPhase::Succeeded) {
+        UnresponsiveCause::Exited
+    } else if p.node_lost {
+        UnresponsiveCause::NodeLost
+    } else if p.ready {
+        return Grace::Full;
+    } else if p.role == Role::Prefill || prefills_ready(p, pods) {
+        UnresponsiveCause::NotReady
+    } else {
+        return Grace::Full;
+    };
+    Grace::Unresponsive {
+        seconds: ctx.input.spec.health.unresponsive_grace_seconds.max(1),
+        cause,
+    }
+}
+
+/// Every prefill of `decode`'s incarnation among `pods` runs and is ready (and there is
+/// one): nothing on the prefill side explains the decode's not being ready.
+fn prefills_ready(decode: &ObservedPod, pods: &[&ObservedPod]) -> bool {
+    let mut prefills = pods
+        .iter()
+        .filter(|q| q.role == Role::Prefill && q.incarnation == decode.incarnation)
+        .peekable();
+    prefills.peek().is_some()
+        && prefills.all(|q| q.ready && !q.terminating && q.phase == PodPhase::Running)
 }
 
 /// A terminating pod past its grace period plus [`FORCE_DELETE_MARGIN`] is force-deleted

@@ -4,6 +4,9 @@
 //! - I2 no decode pod is created while a prefill pod of its incarnation is not Ready;
 //! - I3 planned restarts never take more than `maxUnavailableGroups` groups down;
 //! - I5 with `restart.policy: None` no pod is deleted except by a scale-down;
+//! - I6 a delete for a rollout, a restart request or a scale-down, and of a member that is
+//!   ready, keeps the full grace; a failure co-restart removes a member that has exited or
+//!   whose node is lost with `health.unresponsiveGraceSeconds`;
 //!
 //! and at the end of each sequence (faults stopped) I4: the cluster converges to every
 //! group Ready at the update revision within a bounded number of reconciles.
@@ -29,6 +32,8 @@ enum Ev {
     Fail(usize),
     Evict(usize),
     Vanish(usize),
+    /// The pod's node stops reporting.
+    NodeLost(usize),
     Advance(u64),
     NewImage(u8),
     PrefillReplicas(i32),
@@ -49,6 +54,7 @@ fn event() -> impl Strategy<Value = Ev> {
         1 => any::<usize>().prop_map(Ev::Fail),
         1 => any::<usize>().prop_map(Ev::Evict),
         1 => any::<usize>().prop_map(Ev::Vanish),
+        1 => any::<usize>().prop_map(Ev::NodeLost),
         2 => (0u64..90).prop_map(Ev::Advance),
         1 => (0u8..3).prop_map(Ev::NewImage),
         1 => (1i32..3).prop_map(Ev::PrefillReplicas),
@@ -96,6 +102,11 @@ fn run(sim: &mut Sim, events: &[Ev]) {
             Ev::Vanish(i) => {
                 if let Some(n) = pick(sim, i) {
                     sim.vanish(&n);
+                }
+            }
+            Ev::NodeLost(i) => {
+                if let Some(n) = pick(sim, i) {
+                    sim.lose_node_of(&n);
                 }
             }
             Ev::Advance(s) => sim.advance(s),
@@ -218,6 +229,87 @@ proptest! {
         for _ in 0..5 {
             sim.start_pending();
             sim.reconcile();
+        }
+    }
+}
+
+/// How a member of a Ready group breaks, for [`the_cause_is_short_and_its_peers_are_full`].
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// Its process exits.
+    Exit,
+    /// It stops answering (SIGSTOP, a wedged loop): not ready.
+    Hang,
+    /// Its node stops reporting.
+    NodeLost,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    /// I6 for a failure co-restart of one group with one broken member among 1-2 prefills
+    /// and 1-2 decodes: the broken member is deleted with `unresponsiveGraceSeconds`
+    /// (cause exited / not_ready / node_lost), every other member with its full grace —
+    /// a decode whose prefill broke is not ready too (its channel is down) and still keeps
+    /// the full grace. Every member of the old incarnation is deleted once.
+    #[test]
+    fn the_cause_is_short_and_its_peers_are_full(
+        prefills in 1i32..3,
+        decodes in 1i32..3,
+        broken_role in prop_oneof![Just(Role::Prefill), Just(Role::Decode)],
+        which in 0usize..2,
+        fault in prop_oneof![Just(Fault::Exit), Just(Fault::Hang), Just(Fault::NodeLost)],
+        seconds in 1i32..31,
+    ) {
+        let mut s = spec(1);
+        s.prefill.replicas = prefills;
+        s.decode.replicas = decodes;
+        s.health.unresponsive_grace_seconds = seconds;
+        let mut sim = Sim::new(s);
+        sim.settle(50);
+        prop_assert_eq!(sim.group(0).phase, GroupPhase::Ready);
+        let of = |sim: &Sim, role| -> Vec<String> {
+            sim.pods_of(0, role).iter().map(|p| p.name.clone()).collect()
+        };
+        let all: Vec<String> = sim.pods.keys().cloned().collect();
+        let candidates = of(&sim, broken_role);
+        let broken = candidates[which % candidates.len()].clone();
+        match fault {
+            Fault::Exit => sim.fail(&broken),
+            Fault::Hang => sim.set_ready(&broken, false),
+            Fault::NodeLost => sim.lose_node_of(&broken),
+        }
+        if broken_role == Role::Prefill {
+            for d in of(&sim, Role::Decode) {
+                sim.report(&d, "peer_unreachable", "no PONG");
+            }
+        }
+        let mut graces: std::collections::BTreeMap<String, Grace> = Default::default();
+        for _ in 0..40 {
+            let plan = sim.reconcile();
+            for a in &plan.actions {
+                if let PlannedAction::DeletePod { name, grace, .. } = a {
+                    prop_assert!(graces.insert(name.clone(), *grace).is_none(), "{} deleted twice", name);
+                }
+            }
+            if sim.group(0).incarnation == 2 && all.iter().all(|n| !sim.pods.contains_key(n)) {
+                break;
+            }
+            sim.finish_terminations();
+            sim.advance(plan.requeue_after.map_or(1, |d| d.as_secs().max(1)));
+        }
+        let want_cause = match fault {
+            Fault::Exit => UnresponsiveCause::Exited,
+            Fault::Hang => UnresponsiveCause::NotReady,
+            Fault::NodeLost => UnresponsiveCause::NodeLost,
+        };
+        prop_assert_eq!(graces.len(), all.len(), "every old member deleted: {:?}", graces);
+        for (name, grace) in &graces {
+            if *name == broken {
+                prop_assert_eq!(*grace, Grace::Unresponsive { seconds, cause: want_cause });
+            } else {
+                prop_assert_eq!(*grace, Grace::Full, "{} is a healthy peer", name);
+            }
         }
     }
 }

@@ -9,6 +9,9 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use super::*;
 use crate::crd::{CoRestartReason, GroupPhase, PDDeploymentSpec, PDDeploymentStatus};
 
+/// The pods' own grace period (`terminationGracePeriodSeconds`, Kubernetes' default).
+pub const POD_GRACE_SECONDS: i64 = 30;
+
 pub struct Sim {
     pub name: String,
     pub spec: PDDeploymentSpec,
@@ -131,14 +134,24 @@ impl Sim {
                         group_ready_gate: false,
                         gate_closed_since: None,
                         deletion_deadline: None,
+                        node_lost: false,
                         waiting: None,
                         exit: None,
                         ready_detail: None,
                     },
                 );
             }
-            PlannedAction::DeletePod { name, .. } => {
-                let deadline = self.now.checked_add(SignedDuration::from_secs(30)).unwrap();
+            PlannedAction::DeletePod { name, grace, .. } => {
+                // Like the API server: `deletionTimestamp` is the delete's grace ahead (the
+                // pod's own, 30 s, when the delete names none).
+                let secs = match grace {
+                    Grace::Full => POD_GRACE_SECONDS,
+                    Grace::Unresponsive { seconds, .. } => i64::from(*seconds),
+                };
+                let deadline = self
+                    .now
+                    .checked_add(SignedDuration::from_secs(secs))
+                    .unwrap();
                 if let Some(p) = self.pods.get_mut(name) {
                     p.terminating = true;
                     p.deletion_deadline = Some(deadline);
@@ -176,6 +189,15 @@ impl Sim {
 
     /// Invariants that concern one action before it takes effect.
     fn check_before(&self, a: &PlannedAction) {
+        if let PlannedAction::DeletePod {
+            name,
+            reason,
+            grace,
+            ..
+        } = a
+        {
+            self.check_grace(name, *reason, *grace);
+        }
         match a {
             // I2: a decode pod is created only when every prefill pod of its incarnation
             // exists, runs and is Ready.
@@ -226,6 +248,48 @@ impl Sim {
                 );
             }
             _ => {}
+        }
+    }
+
+    /// I6: the grace of a delete. Judged from the pod itself and the spec where they
+    /// tell: a pod of a group no longer wanted, or one removed by a rollout or a restart
+    /// request, keeps its full grace; so does a member that is ready on a live node (it
+    /// drains). A member that has exited, or whose node is lost, removed by a failure
+    /// co-restart gets the short grace, and a short grace is `unresponsiveGraceSeconds`.
+    fn check_grace(&self, name: &str, reason: DeleteReason, grace: Grace) {
+        let pod = self
+            .pods
+            .get(name)
+            .unwrap_or_else(|| panic!("I6: deletion of unknown pod {name}"));
+        let planned = pod.group >= self.spec.groups
+            || matches!(
+                reason,
+                DeleteReason::ScaleDown
+                    | DeleteReason::CoRestart(
+                        CoRestartReason::RevisionChanged | CoRestartReason::RestartRequested
+                    )
+            );
+        let exited = matches!(pod.phase, PodPhase::Failed | PodPhase::Succeeded);
+        if planned || (pod.ready && !pod.node_lost && !exited) {
+            assert_eq!(
+                grace,
+                Grace::Full,
+                "I6: {name} ({reason:?}, ready {}) must keep its full grace",
+                pod.ready
+            );
+        } else if exited || pod.node_lost {
+            assert!(
+                matches!(grace, Grace::Unresponsive { .. }),
+                "I6: {name} ({reason:?}, {:?}, node lost {}) removed by a failure with {grace:?}",
+                pod.phase,
+                pod.node_lost
+            );
+        }
+        if let Grace::Unresponsive { seconds, .. } = grace {
+            assert_eq!(
+                seconds, self.spec.health.unresponsive_grace_seconds,
+                "I6: {name}: the short grace is health.unresponsiveGraceSeconds"
+            );
         }
     }
 
@@ -286,6 +350,10 @@ impl Sim {
             return;
         }
         p.phase = PodPhase::Running;
+        if ready {
+            // Its node reports again.
+            p.node_lost = false;
+        }
         if p.ready != ready {
             p.ready = ready;
             p.not_ready_since = if ready { None } else { Some(now) };
@@ -317,10 +385,25 @@ impl Sim {
 
     /// Eviction or `kubectl delete`: the pod starts terminating.
     pub fn evict(&mut self, name: &str) {
-        let deadline = self.now.checked_add(SignedDuration::from_secs(30)).unwrap();
+        let deadline = self
+            .now
+            .checked_add(SignedDuration::from_secs(POD_GRACE_SECONDS))
+            .unwrap();
         let p = self.pods.get_mut(name).expect("pod exists");
         p.terminating = true;
         p.deletion_deadline = Some(deadline);
+    }
+
+    /// The pod's node stops reporting: the node lifecycle controller turns its `Ready`
+    /// False; the kubelet, gone, never finishes a termination there.
+    pub fn lose_node_of(&mut self, name: &str) {
+        let now = self.now;
+        let p = self.pods.get_mut(name).expect("pod exists");
+        p.node_lost = true;
+        if p.ready {
+            p.ready = false;
+            p.not_ready_since = Some(now);
+        }
     }
 
     /// The pod object disappears at once (force delete, node loss).
@@ -328,9 +411,10 @@ impl Sim {
         self.pods.remove(name);
     }
 
-    /// Terminating pods finish terminating.
+    /// Terminating pods finish terminating, except on a lost node (only a force delete
+    /// removes those).
     pub fn finish_terminations(&mut self) {
-        self.pods.retain(|_, p| !p.terminating);
+        self.pods.retain(|_, p| !p.terminating || p.node_lost);
     }
 
     /// The kubelet starts every pending pod and its dataplane becomes ready.
@@ -346,8 +430,12 @@ impl Sim {
         }
     }
 
-    /// Faults stop: every live pod's dataplane becomes ready.
+    /// Faults stop: lost nodes report again (their kubelets finish the terminations
+    /// there) and every live pod's dataplane becomes ready.
     pub fn heal_all(&mut self) {
+        for p in self.pods.values_mut() {
+            p.node_lost = false;
+        }
         let names: Vec<String> = self
             .pods
             .values()

@@ -718,16 +718,20 @@ fn a_pod_stuck_terminating_past_its_grace_is_force_deleted() {
     let mut sim = ready_sim(1);
     let d = only_pod(&sim, 0, Role::Decode);
     let p = only_pod(&sim, 0, Role::Prefill);
-    // The node is gone: the decode is not ready; after the window the group co-restarts,
-    // and nobody ever confirms the deletion of its pods.
-    sim.set_ready(&d, false);
+    // The node is gone: both pods are not ready; after the window the group co-restarts,
+    // and nobody ever confirms the deletion of its pods. They are deleted with the short
+    // grace (their node is lost), so the force-delete follows it (grace_tests.rs has the
+    // same with the full grace of a pod deleted by someone else).
+    sim.lose_node_of(&d);
+    sim.lose_node_of(&p);
     sim.reconcile();
     sim.advance(31);
     let plan = sim.reconcile();
     assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::MemberNotReady)]);
     assert_eq!(Sim::deleted(&plan), vec![(d.clone(), Role::Decode)]);
+    let short = Duration::from_secs(crate::crd::DEFAULT_UNRESPONSIVE_GRACE_SECONDS as u64);
     // Within the grace period and the margin: wait, and ask to be woken at its end.
-    sim.advance(20);
+    sim.advance(1);
     let plan = sim.reconcile();
     assert!(
         !plan
@@ -736,10 +740,7 @@ fn a_pod_stuck_terminating_past_its_grace_is_force_deleted() {
             .any(|a| matches!(a, PlannedAction::ForceDeletePod { .. }))
     );
     let wake = plan.requeue_after.expect("a requeue at the margin's end");
-    assert_eq!(
-        wake,
-        Duration::from_secs(30 + FORCE_DELETE_MARGIN.as_secs() - 20)
-    );
+    assert_eq!(wake, short + FORCE_DELETE_MARGIN - Duration::from_secs(1));
     sim.advance(wake.as_secs());
     let plan = sim.reconcile();
     assert!(plan.actions.contains(&PlannedAction::ForceDeletePod {
@@ -757,7 +758,7 @@ fn a_pod_stuck_terminating_past_its_grace_is_force_deleted() {
     // Decode gone: now the prefill, which hangs the same way and is forced the same way.
     let plan = sim.reconcile();
     assert_eq!(Sim::deleted(&plan), vec![(p.clone(), Role::Prefill)]);
-    sim.advance(30 + FORCE_DELETE_MARGIN.as_secs());
+    sim.advance((short + FORCE_DELETE_MARGIN).as_secs());
     let plan = sim.reconcile();
     assert!(plan.actions.contains(&PlannedAction::ForceDeletePod {
         name: p,

@@ -217,7 +217,9 @@ fn delete_is_sigterm_then_sigkill_after_the_grace_period() {
         name: "demo-g0-i1-p0".into(),
         group: 0,
         role: Role::Prefill,
+        incarnation: 1,
         reason: DeleteReason::CoRestart(CoRestartReason::MemberFailed),
+        grace: Grace::Full,
     };
     x.execute(&del, t(10)).unwrap();
     x.execute(&del, t(11)).unwrap();
@@ -260,6 +262,58 @@ fn delete_is_sigterm_then_sigkill_after_the_grace_period() {
     );
 }
 
+/// The planner's short grace: SIGKILL that long after SIGTERM, not after the runtime's
+/// grace; and never later than the runtime's grace either.
+#[test]
+fn an_unresponsive_member_is_killed_after_the_short_grace() {
+    let short = |seconds| PlannedAction::DeletePod {
+        name: "demo-g0-i1-p0".into(),
+        group: 0,
+        role: Role::Prefill,
+        incarnation: 1,
+        reason: DeleteReason::CoRestart(CoRestartReason::MemberNotReady),
+        grace: Grace::Unresponsive {
+            seconds,
+            cause: planner::UnresponsiveCause::NotReady,
+        },
+    };
+    let mut x = executor();
+    started(&mut x);
+    x.execute(&short(2), t(10)).unwrap();
+    assert_eq!(x.next_deadline(), Some(t(12)), "SIGKILL 2 s after SIGTERM");
+    x.enforce_deadlines(t(11));
+    assert_eq!(x.processes.signals.len(), 1, "only the SIGTERM before 2 s");
+    x.enforce_deadlines(t(12));
+    assert_eq!(
+        x.processes.signals,
+        [
+            ("demo-g0-i1-p0".to_string(), Signal::SIGTERM),
+            ("demo-g0-i1-p0".to_string(), Signal::SIGKILL)
+        ]
+    );
+    let term = x
+        .record
+        .entries()
+        .find(|e| e.kind == EntryKind::Terminating)
+        .unwrap();
+    assert!(term.warning, "a short grace is a warning in the record");
+    assert!(
+        term.message.contains("SIGKILL after 2s")
+            && term.message.contains("incarnation 1")
+            && term
+                .message
+                .contains("short grace of an unresponsive member"),
+        "{}",
+        term.message
+    );
+
+    // A short grace longer than the runtime's own (5 s) is cut to it.
+    let mut x = executor();
+    started(&mut x);
+    x.execute(&short(20), t(10)).unwrap();
+    assert_eq!(x.next_deadline(), Some(t(15)));
+}
+
 #[test]
 fn an_unexpected_exit_is_a_failed_pod_until_the_planner_deletes_it() {
     let mut x = executor();
@@ -290,7 +344,12 @@ fn an_unexpected_exit_is_a_failed_pod_until_the_planner_deletes_it() {
             name: "demo-g0-i1-p0".into(),
             group: 0,
             role: Role::Prefill,
+            incarnation: 1,
             reason: DeleteReason::CoRestart(CoRestartReason::MemberFailed),
+            grace: Grace::Unresponsive {
+                seconds: 2,
+                cause: planner::UnresponsiveCause::Exited,
+            },
         },
         t(4),
     )

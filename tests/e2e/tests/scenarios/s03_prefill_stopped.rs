@@ -133,8 +133,9 @@ pub async fn run(env: &Env) -> Result<()> {
         co_restart_at >= Duration::from_secs(WINDOW_S),
         "co-restart after {co_restart_at:?}, before the {WINDOW_S}s window"
     );
-    // The stopped prefill ignores SIGTERM; the kubelet's SIGKILL after the grace period
-    // ends it, and the group comes back at the next incarnation.
+    // The stopped prefill ignores SIGTERM; it is deleted with the short grace of an
+    // unresponsive member (health.unresponsiveGraceSeconds, 2 s: not its pod's 30 s), the
+    // kubelet's SIGKILL after it ends it, and the group comes back at the next incarnation.
     let p = wait_ready(env, ns, name, 1, Duration::from_secs(120)).await?;
     figure(
         "prefill SIGSTOP → group Ready at the next incarnation",
@@ -151,6 +152,12 @@ pub async fn run(env: &Env) -> Result<()> {
         evs.iter()
             .any(|e| e.reason.as_deref() == Some("MemberNotReady")),
         "no MemberNotReady event"
+    );
+    ensure!(
+        evs.iter()
+            .any(|e| e.reason.as_deref() == Some("UnresponsiveMemberDeleted")),
+        "the stopped prefill was not deleted with the short grace: {:?}",
+        evs.iter().map(|e| e.reason.clone()).collect::<Vec<_>>()
     );
 
     env.kubectl

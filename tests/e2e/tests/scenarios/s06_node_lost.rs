@@ -2,7 +2,8 @@
 //! its containers keep running. The node lifecycle controller marks the node NotReady and
 //! the pods not Ready; the operator co-restarts the group; the deletions hang because
 //! nobody on that node confirms them, so the operator force-deletes the pods once their
-//! grace period and a margin have passed, and the group is rebuilt on the other node. When
+//! grace period and a margin have passed (the short grace of a member on a lost node,
+//! `health.unresponsiveGraceSeconds`, not the pod's 30 s), and the group is rebuilt on the other node. When
 //! the kubelet resumes, it stops the containers of the pods that were removed meanwhile.
 
 use std::time::{Duration, Instant};
@@ -117,6 +118,12 @@ pub async fn run(env: &Env) -> Result<()> {
             evs.iter()
                 .any(|e| e.reason.as_deref() == Some("PodForceDeleted")),
             "no PodForceDeleted event: {:?}",
+            evs.iter().map(|e| e.reason.clone()).collect::<Vec<_>>()
+        );
+        ensure!(
+            evs.iter()
+                .any(|e| e.reason.as_deref() == Some("UnresponsiveMemberDeleted")),
+            "the lost node's pods were not deleted with the short grace: {:?}",
             evs.iter().map(|e| e.reason.clone()).collect::<Vec<_>>()
         );
         // The orphaned containers still run on the hung node…
