@@ -20,14 +20,27 @@ export IMAGE_REGISTRY ?= ghcr.io/tandem
 ## on a real cluster). e2e-deps comes first: the Go build of the Kubernetes components
 ## peaks at ~5 GB of caches, removed before the Rust builds fill target/.
 ## Each step is its own make run, timed; the times are printed as they end and together at
-## the end (target/test-times.txt), so a slow CI run says where its time went.
-TEST_STEPS = e2e-deps lint crd-check pyenv kernel-fixtures-check model unit validate-crd chart-check image-check cuda-check cuda-sim e2e
+## the end (target/test-times.txt), so a slow CI run says where its time went. A step
+## `a+b` runs b beside a (b's output kept in target/b.log and printed when both are done):
+## the CUDA suite on the CPU executor, which computes, beside the end-to-end suite, which
+## mostly waits on the cluster.
+TEST_STEPS = e2e-deps lint crd-check pyenv kernel-fixtures-check model unit validate-crd chart-check image-check cuda-check e2e+cuda-sim
 test:
 	@mkdir -p target && : > target/test-times.txt; start=$$(date +%s); \
 	for step in $(TEST_STEPS); do \
-	  t=$$(date +%s); \
-	  $(MAKE) --no-print-directory $$step || { echo "test: $$step FAILED after $$(( $$(date +%s) - t )) s" >&2; exit 1; }; \
-	  echo "test: $$step took $$(( $$(date +%s) - t )) s" | tee -a target/test-times.txt; \
+	  t=$$(date +%s); main=$${step%%+*}; beside=$${step#*+}; \
+	  if [ "$$beside" != "$$step" ]; then \
+	    ( $(MAKE) --no-print-directory $$beside > target/$$beside.log 2>&1; echo "$$? $$(( $$(date +%s) - t ))" > target/$$beside.rc ) & \
+	  fi; \
+	  $(MAKE) --no-print-directory $$main; rc=$$?; \
+	  echo "test: $$main took $$(( $$(date +%s) - t )) s" | tee -a target/test-times.txt; \
+	  if [ "$$beside" != "$$step" ]; then \
+	    wait; read -r brc btook < target/$$beside.rc || brc=1; \
+	    echo "test: the output of $$beside, run beside $$main:"; cat target/$$beside.log; \
+	    echo "test: $$beside took $$btook s (beside $$main)" | tee -a target/test-times.txt; \
+	    [ "$$brc" = 0 ] || { echo "test: $$beside FAILED" >&2; exit 1; }; \
+	  fi; \
+	  [ $$rc = 0 ] || { echo "test: $$main FAILED" >&2; exit 1; }; \
 	done; \
 	echo "test: all steps passed in $$(( $$(date +%s) - start )) s:"; sed 's/^test: /  /' target/test-times.txt
 
@@ -50,12 +63,14 @@ module-cycles:
 
 # The local runtime's tests (operator/tests/local_runtime.rs) start
 # target/debug/tandem-dataplane: built before any test runs.
+# The tests are `cargo test --workspace`'s, in two lanes side by side (the real-model suites
+# beside the rest: scripts/unit-tests.sh says why and how).
 # A check that cannot run on this machine (no network namespaces, say) is listed in
 # target/test-skips.txt by the test itself, and printed here: a skip never reads as a pass.
 unit:
 	cargo build -p tandem-dataplane --bin tandem-dataplane
 	@mkdir -p target && rm -f target/test-skips.txt
-	TANDEM_SKIPS_FILE=$(CURDIR)/target/test-skips.txt cargo test --workspace
+	TANDEM_SKIPS_FILE=$(CURDIR)/target/test-skips.txt scripts/unit-tests.sh
 	@if [ -s target/test-skips.txt ]; then echo "unit: checks skipped on this machine:"; cat target/test-skips.txt; \
 	  else echo "unit: no check skipped"; fi
 

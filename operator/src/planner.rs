@@ -310,6 +310,20 @@ pub struct Plan {
 /// margin is on a node that is gone or hung, and would hold its group's co-restart forever.
 pub const FORCE_DELETE_MARGIN: Duration = Duration::from_secs(10);
 
+/// How long past its grace period `p` may linger before it is force-deleted:
+/// [`FORCE_DELETE_MARGIN`], or nothing for a pod on a node that stopped reporting
+/// ([`ObservedPod::node_lost`]): no kubelet will confirm its end, so a margin would only
+/// hold the group's rebuild, and a process still running there is fenced by its
+/// incarnation (its replacement has another name and another incarnation, which the
+/// handshake checks).
+pub fn force_delete_margin(p: &ObservedPod) -> Duration {
+    if p.node_lost {
+        Duration::ZERO
+    } else {
+        FORCE_DELETE_MARGIN
+    }
+}
+
 /// How long a planned removal (a rollout, a requested restart, a scale-down) waits between
 /// closing a decode's gate and deleting it. A closed gate takes the pod out of its Services
 /// only after the kubelet has recomputed `Ready`, the EndpointSlice controller has dropped

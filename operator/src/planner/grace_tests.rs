@@ -252,8 +252,9 @@ fn planned_removals_keep_the_full_grace() {
     );
 }
 
-/// A lost node: its pods are deleted with the short grace, so the force-delete comes
-/// `unresponsiveGraceSeconds` + the margin after the delete, not the pod's 30 s + margin.
+/// A lost node: its pods are deleted with the short grace, decode and prefill without
+/// waiting for each other, and force-deleted as soon as that grace ends (no margin: no
+/// kubelet will confirm), not after the pod's 30 s + margin.
 #[test]
 fn on_a_lost_node_the_force_delete_follows_the_short_grace() {
     let mut sim = ready_sim(1);
@@ -275,27 +276,30 @@ fn on_a_lost_node_the_force_delete_follows_the_short_grace() {
         i64::from(SHORT),
         "deletionTimestamp is the delete's grace ahead"
     );
-    // Its kubelet is gone: it never finishes terminating; forced at grace + margin.
-    let mut forced_after = None;
+    // Its kubelet is gone: it never finishes terminating, and it holds nothing: the
+    // prefill goes in the next plan (short too), and each is forced as soon as its grace
+    // ends (no margin on a lost node: no kubelet will confirm).
+    let plan = sim.reconcile();
+    assert_eq!(
+        graces(&plan),
+        vec![(p.clone(), short(UnresponsiveCause::NodeLost))]
+    );
+    let mut forced = std::collections::BTreeMap::new();
     for _ in 0..60 {
         sim.finish_terminations();
         let plan = sim.reconcile();
-        if plan
-            .actions
-            .iter()
-            .any(|a| matches!(a, PlannedAction::ForceDeletePod { name, .. } if *name == d))
-        {
-            forced_after = Some(sim.now.duration_since(deleted_at).as_secs());
+        for a in &plan.actions {
+            if let PlannedAction::ForceDeletePod { name, .. } = a {
+                forced.insert(name.clone(), sim.now.duration_since(deleted_at).as_secs());
+            }
+        }
+        if forced.len() == 2 {
             break;
         }
         sim.advance(1);
     }
-    let margin = FORCE_DELETE_MARGIN.as_secs() as i64;
-    assert_eq!(forced_after, Some(i64::from(SHORT) + margin));
-    // Then the prefill, the same way; then the group is rebuilt.
-    let plan = sim.reconcile();
-    assert_eq!(graces(&plan), vec![(p, short(UnresponsiveCause::NodeLost))]);
-    sim.advance(SHORT as u64 + margin as u64);
+    assert_eq!(forced.get(&d), Some(&i64::from(SHORT)), "{forced:?}");
+    assert_eq!(forced.get(&p), Some(&i64::from(SHORT)), "{forced:?}");
     sim.settle(30);
     assert_eq!(sim.group(0).phase, GroupPhase::Ready);
     assert_eq!(sim.group(0).incarnation, 2);

@@ -8,9 +8,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::build::{build_group, decode_not_ready};
 use super::{
-    CoRestart, Ctx, DeleteReason, ENDPOINTS_SETTLE, EventKind, FORCE_DELETE_MARGIN, Grace,
-    ObservedPod, PlannedAction, PodPhase, READY_DETAIL_REFRESH, Role, Trigger, UnresponsiveCause,
-    add, backoff_delay, close_gates, is_failure, note_phase, until,
+    CoRestart, Ctx, DeleteReason, ENDPOINTS_SETTLE, EventKind, Grace, ObservedPod, PlannedAction,
+    PodPhase, READY_DETAIL_REFRESH, Role, Trigger, UnresponsiveCause, add, backoff_delay,
+    close_gates, force_delete_margin, is_failure, note_phase, until,
 };
 use crate::crd::{CoRestartReason, CoRestartRecord, GroupPhase, GroupStatus, RestartPolicy};
 use crate::reasons::EventReason;
@@ -97,13 +97,18 @@ fn endpoints_settled(ctx: &mut Ctx<'_>, pods: &[&ObservedPod]) -> bool {
 }
 
 /// Delete `pods` decode first: prefill pods are deleted only once no decode pod is left
-/// (terminating ones included). Returns true when nothing is left.
+/// (terminating ones included), but for decodes terminating on a lost node, which can
+/// drain nothing and whose end no kubelet will confirm (their force-delete follows). Returns
+/// true when nothing is left.
 fn remove_in_order(ctx: &mut Ctx<'_>, pods: &[&ObservedPod], reason: DeleteReason) -> bool {
+    let mut left = false;
     for role in [Role::Decode, Role::Prefill] {
         let of_role: Vec<&&ObservedPod> = pods.iter().filter(|p| p.role == role).collect();
         if of_role.is_empty() {
             continue;
         }
+        left = true;
+        let holds_the_next_role = of_role.iter().any(|p| !(p.terminating && p.node_lost));
         for p in &of_role {
             if p.terminating {
                 force_delete_if_stuck(ctx, p);
@@ -134,9 +139,11 @@ fn remove_in_order(ctx: &mut Ctx<'_>, pods: &[&ObservedPod], reason: DeleteReaso
                 });
             }
         }
-        return false;
+        if holds_the_next_role {
+            return false;
+        }
     }
-    true
+    !left
 }
 
 /// The grace a member is deleted with: the short `health.unresponsiveGraceSeconds` for a
@@ -201,13 +208,14 @@ fn prefills_ready(decode: &ObservedPod, pods: &[&ObservedPod]) -> bool {
         && prefills.all(|q| q.ready && !q.terminating && q.phase == PodPhase::Running)
 }
 
-/// A terminating pod past its grace period plus [`FORCE_DELETE_MARGIN`] is force-deleted
+/// A terminating pod past its grace period plus its margin ([`FORCE_DELETE_MARGIN`](super::FORCE_DELETE_MARGIN), none
+/// on a lost node: [`force_delete_margin`]) is force-deleted
 /// (and reported); before that, ask to be called again when the margin runs out.
 fn force_delete_if_stuck(ctx: &mut Ctx<'_>, p: &ObservedPod) {
     let Some(deadline) = p.deletion_deadline else {
         return;
     };
-    let limit = add(deadline, FORCE_DELETE_MARGIN);
+    let limit = add(deadline, force_delete_margin(p));
     let now = ctx.input.now;
     if now < limit {
         ctx.requeue_in(until(now, limit));

@@ -169,7 +169,7 @@ impl Sim {
                 assert!(
                     self.now
                         >= deadline
-                            .checked_add(SignedDuration::try_from(FORCE_DELETE_MARGIN).unwrap())
+                            .checked_add(SignedDuration::try_from(force_delete_margin(&p)).unwrap())
                             .unwrap(),
                     "{name} force-deleted before its grace period and the margin ran out"
                 );

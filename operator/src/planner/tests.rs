@@ -720,8 +720,8 @@ fn a_pod_stuck_terminating_past_its_grace_is_force_deleted() {
     let p = only_pod(&sim, 0, Role::Prefill);
     // The node is gone: both pods are not ready; after the window the group co-restarts,
     // and nobody ever confirms the deletion of its pods. They are deleted with the short
-    // grace (their node is lost), so the force-delete follows it (grace_tests.rs has the
-    // same with the full grace of a pod deleted by someone else).
+    // grace (their node is lost), so the force-delete follows it, with no margin
+    // (grace_tests.rs has the margin after the full grace of a pod deleted by someone else).
     sim.lose_node_of(&d);
     sim.lose_node_of(&p);
     sim.reconcile();
@@ -730,7 +730,11 @@ fn a_pod_stuck_terminating_past_its_grace_is_force_deleted() {
     assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::MemberNotReady)]);
     assert_eq!(Sim::deleted(&plan), vec![(d.clone(), Role::Decode)]);
     let short = Duration::from_secs(crate::crd::DEFAULT_UNRESPONSIVE_GRACE_SECONDS as u64);
-    // Within the grace period and the margin: wait, and ask to be woken at its end.
+    // The decode, terminating on a lost node, holds nothing: the prefill is deleted in the
+    // next plan; within the grace period: wait, and ask to be woken at its end (no margin
+    // on a lost node: no kubelet will confirm).
+    let plan = sim.reconcile();
+    assert_eq!(Sim::deleted(&plan), vec![(p.clone(), Role::Prefill)]);
     sim.advance(1);
     let plan = sim.reconcile();
     assert!(
@@ -739,32 +743,24 @@ fn a_pod_stuck_terminating_past_its_grace_is_force_deleted() {
             .iter()
             .any(|a| matches!(a, PlannedAction::ForceDeletePod { .. }))
     );
-    let wake = plan.requeue_after.expect("a requeue at the margin's end");
-    assert_eq!(wake, short + FORCE_DELETE_MARGIN - Duration::from_secs(1));
+    let wake = plan.requeue_after.expect("a requeue at the grace's end");
+    assert_eq!(wake, short - Duration::from_secs(1));
     sim.advance(wake.as_secs());
     let plan = sim.reconcile();
-    assert!(plan.actions.contains(&PlannedAction::ForceDeletePod {
-        name: d.clone(),
-        group: 0,
-        role: Role::Decode
-    }));
-    assert!(
-        sim.events(&plan)
-            .iter()
-            .any(|e| e.reason.as_str() == "PodForceDeleted"
-                && e.type_ == EventKind::Warning
-                && e.message.contains(&d))
-    );
-    // Decode gone: now the prefill, which hangs the same way and is forced the same way.
-    let plan = sim.reconcile();
-    assert_eq!(Sim::deleted(&plan), vec![(p.clone(), Role::Prefill)]);
-    sim.advance((short + FORCE_DELETE_MARGIN).as_secs());
-    let plan = sim.reconcile();
-    assert!(plan.actions.contains(&PlannedAction::ForceDeletePod {
-        name: p,
-        group: 0,
-        role: Role::Prefill
-    }));
+    for (name, role) in [(&d, Role::Decode), (&p, Role::Prefill)] {
+        assert!(plan.actions.contains(&PlannedAction::ForceDeletePod {
+            name: name.clone(),
+            group: 0,
+            role
+        }));
+        assert!(
+            sim.events(&plan)
+                .iter()
+                .any(|e| e.reason.as_str() == "PodForceDeleted"
+                    && e.type_ == EventKind::Warning
+                    && e.message.contains(name.as_str()))
+        );
+    }
     sim.settle(20);
     assert_eq!(sim.group(0).phase, GroupPhase::Ready);
     assert_eq!(sim.group(0).incarnation, 2);
