@@ -76,6 +76,9 @@ pub mod settings {
         /// The decode's channel deadline: longest a prefill may leave a PING unanswered
         /// before its rooms fail `peer_unresponsive` (milliseconds).
         CHANNEL_DEADLINE_MS = "channel-deadline-ms", "TANDEM_CHANNEL_DEADLINE_MS";
+        /// `/ready` fails `no_progress` when queued work or KV in flight makes no progress
+        /// this long (seconds; 0: off).
+        NO_PROGRESS_SECONDS = "no-progress-seconds", "TANDEM_NO_PROGRESS_SECONDS";
         /// The group key; given through [`super::GROUP_KEY_ENV`], never as a flag.
         GROUP_KEY = "group-key", "TANDEM_GROUP_KEY";
     }
@@ -126,6 +129,7 @@ pub struct MemberSettings {
     pub bootstrap_timeout_seconds: u32,
     pub kv_timeout_seconds: u32,
     pub channel_deadline_ms: u32,
+    pub no_progress_seconds: u32,
 }
 
 impl MemberSettings {
@@ -134,7 +138,7 @@ impl MemberSettings {
     /// value).
     pub fn to_args(&self) -> Vec<String> {
         use settings::*;
-        let mut args = Vec::with_capacity(13);
+        let mut args = Vec::with_capacity(14);
         let mut put = |s: Setting, v: String| args.push(format!("--{}={v}", s.flag));
         put(ROLE, self.role.as_str().into());
         put(MODEL, self.model.clone());
@@ -156,6 +160,7 @@ impl MemberSettings {
         );
         put(KV_TIMEOUT_SECONDS, self.kv_timeout_seconds.to_string());
         put(CHANNEL_DEADLINE_MS, self.channel_deadline_ms.to_string());
+        put(NO_PROGRESS_SECONDS, self.no_progress_seconds.to_string());
         args
     }
 }

@@ -20,6 +20,7 @@ fn member(role: MemberRole) -> MemberSettings {
         bootstrap_timeout_seconds: 10,
         kv_timeout_seconds: 30,
         channel_deadline_ms: 1000,
+        no_progress_seconds: 30,
     }
 }
 
@@ -103,7 +104,7 @@ proptest! {
         kv_port in 1u16..,
         peers in proptest::collection::vec("[a-z0-9.-]{1,20}:[0-9]{1,5}", 1..4),
         incarnation in any::<u64>(),
-        t in (1u32.., 1u32.., 1u32.., 1u32.., 1u32..),
+        t in (1u32.., 1u32.., 1u32.., 1u32.., 1u32.., 0u32..),
         decode in any::<bool>(),
     ) {
         let role = if decode { MemberRole::Decode } else { MemberRole::Prefill };
@@ -121,6 +122,7 @@ proptest! {
             bootstrap_timeout_seconds: t.2,
             kv_timeout_seconds: t.3,
             channel_deadline_ms: t.4,
+            no_progress_seconds: t.5,
         };
         let args = m.to_args();
         let p = pairs(&args);

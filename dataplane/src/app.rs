@@ -115,6 +115,8 @@ pub fn build(cfg: &Config) -> Result<App> {
         shutdown: Default::default(),
         pd,
         fault_injection: cfg.fault_injection,
+        no_progress: cfg.no_progress(),
+        progress: Default::default(),
     });
     Ok(App {
         state,

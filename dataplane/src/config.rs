@@ -134,6 +134,14 @@ pub struct EngineFlags {
     /// `/ready` fails when the engine loop is stuck this long.
     #[arg(long, env = "TANDEM_ENGINE_STALL_SECONDS", default_value_t = 10.0, value_parser = positive_seconds)]
     pub engine_stall_seconds: f64,
+    /// `/ready` fails `no_progress` when requests are queued or running and no engine step
+    /// succeeds (a failed step is no progress), or KV bytes are in flight and none move,
+    /// for this long; an idle process stays ready. 0 turns the check off. The default is
+    /// three times the engine-stall limit: one slow step (a long prompt's chunk under a
+    /// CPU limit) already shows as `engine_stalled` after 10 s, so this one is for an
+    /// engine that goes round without getting anywhere.
+    #[arg(long = contract::NO_PROGRESS_SECONDS.flag, env = contract::NO_PROGRESS_SECONDS.env, default_value_t = 30, value_parser = clap::value_parser!(u32).range(0..=86_400))]
+    pub no_progress_seconds: u32,
 }
 
 /// The HTTP server: where it listens, what it accepts, how it drains.
@@ -423,6 +431,7 @@ impl Config {
             )?,
             kv_timeout_seconds: whole(contract::KV_TIMEOUT_SECONDS.flag, kv.kv_timeout_seconds)?,
             channel_deadline_ms: kv.channel_deadline_ms,
+            no_progress_seconds: self.engine.no_progress_seconds,
         })
     }
 
@@ -481,6 +490,10 @@ impl Config {
 
     pub fn engine_stall(&self) -> Duration {
         secs(self.engine.engine_stall_seconds)
+    }
+
+    pub fn no_progress(&self) -> Duration {
+        Duration::from_secs(u64::from(self.engine.no_progress_seconds))
     }
 
     pub fn pd_limits(&self) -> PdLimits {

@@ -21,6 +21,7 @@ pub mod tokenizer;
 
 pub mod kv;
 pub mod pd;
+pub mod progress;
 
 #[cfg(test)]
 mod test_support;

@@ -374,6 +374,9 @@ pub struct Metrics {
     pub engine_step_sequences: Counter,
     pub kv_blocks_used: Gauge,
     pub kv_blocks_free: Gauge,
+    /// Times `/ready` found a member that was making progress stalled, by reason
+    /// (`no_progress`): counted once per spell, when `/ready` first sees it.
+    pub progress_stalls: Family<ReasonLabels, Counter>,
 }
 
 impl Metrics {
@@ -461,6 +464,15 @@ impl Metrics {
             "KV cache blocks free (idle prefix-cache blocks included)",
             kv_blocks_free.clone(),
         );
+        let progress_stalls = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "progress_stalls",
+            "Spells in which /ready found work making no progress (engine or KV transfers), by reason",
+            progress_stalls.clone(),
+        );
+        let _ = progress_stalls.get_or_create(&ReasonLabels {
+            reason: "no_progress".into(),
+        });
         let kv = KvMetrics::register(&mut registry);
         let prefix_cache = PrefixCacheMetrics::register(&mut registry);
         for reason in [
@@ -509,6 +521,7 @@ impl Metrics {
             engine_step_sequences,
             kv_blocks_used,
             kv_blocks_free,
+            progress_stalls,
         }
     }
 

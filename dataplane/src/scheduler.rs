@@ -232,12 +232,45 @@ pub enum SubmitError {
     EngineStopped,
 }
 
-/// Liveness of the engine thread, read by `/ready`.
+/// Liveness and progress of the engine thread, read by `/ready`. Times are milliseconds
+/// since `start` plus one (0: never), written by the engine thread with relaxed stores.
 #[derive(Debug)]
 pub struct EngineHealth {
     start: Instant,
     last_beat_ms: AtomicU64,
     stopped: AtomicBool,
+    /// When the current spell of queued or running work began (0: idle).
+    work_since: AtomicU64,
+    last_step_ok: AtomicU64,
+    /// First failed step since the last success (0: none), the last one, and how many.
+    failing_since: AtomicU64,
+    last_step_failed: AtomicU64,
+    failed_steps: AtomicU64,
+    /// Fault injection (`POST /debug/fault?loop=engine`): until when the engine holds its
+    /// work without stepping, and until when every step fails (0: unarmed).
+    hold_until: AtomicU64,
+    fail_until: AtomicU64,
+}
+
+/// The engine's progress as [`crate::progress::judge`] reads it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineProgress {
+    pub now: Duration,
+    pub work: bool,
+    pub work_since: Option<Duration>,
+    pub last_step_ok: Option<Duration>,
+    pub failing_since: Option<Duration>,
+    pub last_step_failed: Option<Duration>,
+    pub failed_steps: u64,
+}
+
+/// A fault the engine can be told to play (tests only; see `pd::supervise`'s opt-in).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineFault {
+    /// Keep the work, go round, step nothing (a wedged backend).
+    Hold(Duration),
+    /// Every step fails (a backend that errors).
+    FailSteps(Duration),
 }
 
 impl EngineHealth {
@@ -246,19 +279,97 @@ impl EngineHealth {
             start: Instant::now(),
             last_beat_ms: AtomicU64::new(0),
             stopped: AtomicBool::new(false),
+            work_since: AtomicU64::new(0),
+            last_step_ok: AtomicU64::new(0),
+            failing_since: AtomicU64::new(0),
+            last_step_failed: AtomicU64::new(0),
+            failed_steps: AtomicU64::new(0),
+            hold_until: AtomicU64::new(0),
+            fail_until: AtomicU64::new(0),
         }
     }
+    fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
     fn beat(&self) {
-        let ms = self.start.elapsed().as_millis() as u64;
-        self.last_beat_ms.store(ms, Ordering::Relaxed);
+        self.last_beat_ms.store(self.now_ms(), Ordering::Relaxed);
     }
     /// Time since the engine loop last went round.
     pub fn heartbeat_age(&self) -> Duration {
-        let now = self.start.elapsed().as_millis() as u64;
+        let now = self.now_ms();
         Duration::from_millis(now.saturating_sub(self.last_beat_ms.load(Ordering::Relaxed)))
     }
     pub fn stopped(&self) -> bool {
         self.stopped.load(Ordering::Relaxed)
+    }
+    /// Once per loop round: whether requests are queued or running. A store only when the
+    /// state changes.
+    pub(crate) fn note_work(&self, work: bool) {
+        let since = self.work_since.load(Ordering::Relaxed);
+        if work && since == 0 {
+            self.work_since.store(self.now_ms() + 1, Ordering::Relaxed);
+        } else if !work && since != 0 {
+            self.work_since.store(0, Ordering::Relaxed);
+        }
+    }
+    /// A step succeeded: one relaxed store, two more only after a failure streak.
+    pub(crate) fn note_step_ok(&self) {
+        self.last_step_ok
+            .store(self.now_ms() + 1, Ordering::Relaxed);
+        if self.failed_steps.load(Ordering::Relaxed) != 0 {
+            self.failed_steps.store(0, Ordering::Relaxed);
+            self.failing_since.store(0, Ordering::Relaxed);
+        }
+    }
+    pub(crate) fn note_step_failed(&self) {
+        let now = self.now_ms() + 1;
+        if self.failed_steps.fetch_add(1, Ordering::Relaxed) == 0 {
+            self.failing_since.store(now, Ordering::Relaxed);
+        }
+        self.last_step_failed.store(now, Ordering::Relaxed);
+    }
+    /// The progress record, for `/ready`.
+    pub fn progress(&self) -> EngineProgress {
+        let t = |a: &AtomicU64| match a.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms - 1)),
+        };
+        let work_since = t(&self.work_since);
+        EngineProgress {
+            now: Duration::from_millis(self.now_ms()),
+            work: work_since.is_some(),
+            work_since,
+            last_step_ok: t(&self.last_step_ok),
+            failing_since: t(&self.failing_since),
+            last_step_failed: t(&self.last_step_failed),
+            failed_steps: self.failed_steps.load(Ordering::Relaxed),
+        }
+    }
+    /// Arm an engine fault (tests, and `POST /debug/fault?loop=engine` when fault
+    /// injection is on).
+    pub fn inject(&self, f: EngineFault) {
+        let (slot, d) = match f {
+            EngineFault::Hold(d) => (&self.hold_until, d),
+            EngineFault::FailSteps(d) => (&self.fail_until, d),
+        };
+        slot.store(self.now_ms() + d.as_millis() as u64 + 1, Ordering::Relaxed);
+    }
+    /// Whether an armed fault of this kind is playing now (one relaxed load when unarmed).
+    fn playing(&self, slot: &AtomicU64) -> bool {
+        match slot.load(Ordering::Relaxed) {
+            0 => false,
+            until if self.now_ms() < until => true,
+            _ => {
+                slot.store(0, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+    pub(crate) fn holding(&self) -> bool {
+        self.playing(&self.hold_until)
+    }
+    pub(crate) fn failing_injected(&self) -> bool {
+        self.playing(&self.fail_until)
     }
 }
 

@@ -9,6 +9,7 @@ mod limits_tests;
 mod messages;
 mod output;
 mod params;
+mod progress_check;
 mod ready;
 mod routes;
 #[cfg(test)]
@@ -94,6 +95,10 @@ pub struct AppState {
     /// `POST /debug/fault` exists (only with `--fault-injection` and
     /// `TANDEM_ALLOW_FAULT_INJECTION=yes`; see `pd::supervise`).
     pub fault_injection: bool,
+    /// `/ready` fails `no_progress` when work makes no progress this long (zero: off).
+    pub no_progress: Duration,
+    /// The `engine_progress` check's state between `/ready` calls.
+    pub progress: progress_check::ProgressWatch,
 }
 
 /// Shutdown state shared by `serve`, `/ready` and the request handlers.

@@ -292,6 +292,13 @@ pub struct HealthSpec {
     #[serde(default = "default_failure_threshold")]
     #[schemars(range(min = 1))]
     pub failure_threshold: i32,
+    /// A member with queued or running work whose engine steps nothing successfully, or
+    /// whose KV bytes in flight do not move, for this long reports not-ready with reason
+    /// `no_progress` (an idle member stays ready); 0 turns the check off. The default is
+    /// above the dataplane's 10 s engine-stall limit, which already covers one slow step.
+    #[serde(default = "default_no_progress")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub no_progress_seconds: i32,
     /// How long a member that was Ready may stay not-ready before its group is co-restarted.
     #[serde(default = "default_co_restart_after")]
     #[schemars(range(min = 1))]
@@ -322,6 +329,9 @@ fn default_probe_period() -> i32 {
 fn default_failure_threshold() -> i32 {
     3
 }
+fn default_no_progress() -> i32 {
+    30
+}
 fn default_co_restart_after() -> i32 {
     30
 }
@@ -339,6 +349,7 @@ impl Default for HealthSpec {
         Self {
             probe_period_seconds: default_probe_period(),
             failure_threshold: default_failure_threshold(),
+            no_progress_seconds: default_no_progress(),
             co_restart_after_seconds: default_co_restart_after(),
             startup_timeout_seconds: default_startup_timeout(),
             unresponsive_grace_seconds: default_unresponsive_grace(),

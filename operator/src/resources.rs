@@ -358,6 +358,7 @@ pub fn member_settings(intent: &PodIntent, net: &DataplaneNetwork) -> MemberSett
             .channel_deadline_milliseconds
             .max(50)
             .unsigned_abs(),
+        no_progress_seconds: t.health.no_progress_seconds.max(0).unsigned_abs(),
     }
 }
 

@@ -170,6 +170,7 @@ fn assert_pod_matches_spec(pdd: &PDDeployment, intent: &PodIntent, pod: &Pod) ->
         "bootstrap_timeout_seconds": f64::from(t.transfer.bootstrap_timeout_seconds),
         "kv_timeout_seconds": f64::from(t.transfer.kv_timeout_seconds),
         "channel_deadline_ms": t.transfer.channel_deadline_milliseconds,
+        "no_progress_seconds": t.health.no_progress_seconds,
     });
     for (k, w) in want.as_object().unwrap() {
         assert_eq!(&cfg[k], w, "{what}: {k} in {cfg:#}");
@@ -273,6 +274,7 @@ fn edge_specs_are_accepted_as_the_spec_says() {
     s.transfer.channel_deadline_milliseconds = 2500;
     s.health.probe_period_seconds = 1;
     s.health.failure_threshold = 5;
+    s.health.no_progress_seconds = 0;
     s.prefill.replicas = 3;
     s.decode.replicas = 2;
     s.decode.args = vec!["--kv-dtype".into(), "q8_0".into()];

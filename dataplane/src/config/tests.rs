@@ -251,6 +251,7 @@ fn bad_numbers_are_rejected_by_name_not_clamped() {
         ("--bootstrap-timeout-seconds", "NaN"),
         ("--queue-timeout-seconds", "inf"),
         ("--engine-stall-seconds", "soon"),
+        ("--no-progress-seconds", "86401"),
         ("--drain-seconds", "-0.5"),
     ] {
         let e = err(flag, value);
@@ -395,6 +396,7 @@ mod contract {
                 1u32..=3600,
                 1u32..=3600,
                 50u32..=3_600_000,
+                0u32..=86_400,
             ),
         )
             .prop_map(
@@ -416,6 +418,7 @@ mod contract {
                     bootstrap_timeout_seconds: t.2,
                     kv_timeout_seconds: t.3,
                     channel_deadline_ms: t.4,
+                    no_progress_seconds: t.5,
                 },
             )
     }
@@ -463,6 +466,7 @@ mod contract {
             bootstrap_timeout_seconds: 10,
             kv_timeout_seconds: 30,
             channel_deadline_ms: 1000,
+            no_progress_seconds: 30,
         };
         let mut args = vec!["x".to_string()];
         args.extend(m.to_args());

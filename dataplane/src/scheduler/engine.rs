@@ -135,7 +135,13 @@ impl<R: ModelRunner> Engine<R> {
             self.expire_waiting();
             self.admit();
             self.poll_imports();
-            if !self.running.is_empty() {
+            // Work the engine itself must move: running sequences, or queued requests with
+            // no reservation waiting for KV (those wait on a prefill, not on this engine;
+            // the KV timeout and the channel deadline cover that).
+            self.health.note_work(
+                !self.running.is_empty() || (!self.waiting.is_empty() && self.reserved.is_empty()),
+            );
+            if !self.running.is_empty() && !self.health.holding() {
                 self.step();
             }
             self.publish_gauges();
@@ -424,7 +430,8 @@ impl<R: ModelRunner> Engine<R> {
         // One sampler per batch entry (owners are distinct running indices). The runner
         // samples where the logits are (a device runner moves only token ids); by
         // default it is step + `Sampler::sample` on the host, row by row.
-        let stepped = {
+        // An injected step failure (tests only) skips the runner.
+        let stepped = (!self.health.failing_injected()).then(|| {
             let mut slots: Vec<Option<&mut Sampler>> = self
                 .running
                 .iter_mut()
@@ -444,20 +451,25 @@ impl<R: ModelRunner> Engine<R> {
             catch_unwind(AssertUnwindSafe(|| {
                 runner.step_sample(&batch, &mut samplers)
             }))
-        };
+        });
         let result = match stepped {
-            Ok(Ok(out)) if out.len() == batch.len() => Ok(out),
-            Ok(Ok(out)) => Err(format!(
+            None => Err("injected fault: the step fails".to_owned()),
+            Some(Ok(Ok(out))) if out.len() == batch.len() => Ok(out),
+            Some(Ok(Ok(out))) => Err(format!(
                 "runner returned {} outputs for {} inputs",
                 out.len(),
                 batch.len()
             )),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(panic) => Err(format!("runner panicked: {}", panic_message(&panic))),
+            Some(Ok(Err(e))) => Err(e.to_string()),
+            Some(Err(panic)) => Err(format!("runner panicked: {}", panic_message(&panic))),
         };
         let outputs = match result {
-            Ok(o) => o,
+            Ok(o) => {
+                self.health.note_step_ok();
+                o
+            }
             Err(msg) => {
+                self.health.note_step_failed();
                 self.fail_all(&owners, &msg);
                 return;
             }

@@ -47,6 +47,9 @@ pub fn ready_checks(state: &AppState) -> Vec<crate::pd::Check> {
                 "accepting requests".into()
             },
         ),
+        state
+            .progress
+            .check(health, &state.metrics, state.no_progress),
     ];
     if let Some(pd) = &state.pd {
         checks.extend(pd.checks());

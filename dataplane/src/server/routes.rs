@@ -173,7 +173,9 @@ async fn body(req: Request<Incoming>, max: usize) -> Result<Bytes, ApiError> {
 }
 
 /// `POST /debug/fault?loop=<name>&fault=panic|stall&ms=<n>`: arm a one-shot fault in a KV
-/// loop (fault injection for tests; routed only when `state.fault_injection`).
+/// loop; `loop=engine&fault=hold|fail_steps&ms=<n>`: for `n` ms the engine keeps its work
+/// without stepping, or fails every step (fault injection for tests; routed only when
+/// `state.fault_injection`).
 fn debug_fault(state: &AppState, query: Option<&str>) -> Result<Response<Body>, ApiError> {
     let param = |k: &str| {
         query
@@ -184,14 +186,34 @@ fn debug_fault(state: &AppState, query: Option<&str>) -> Result<Response<Body>, 
             .map(|(_, v)| v.to_owned())
     };
     let name = param("loop").ok_or_else(|| ApiError::invalid(Some("loop"), "missing 'loop'"))?;
+    let ms = || {
+        param("ms")
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_millis)
+            .ok_or_else(|| ApiError::invalid(Some("ms"), "'ms' must be a whole number"))
+    };
+    if name == "engine" {
+        use crate::scheduler::EngineFault;
+        let fault = match param("fault").as_deref() {
+            Some("hold") => EngineFault::Hold(ms()?),
+            Some("fail_steps") => EngineFault::FailSteps(ms()?),
+            _ => {
+                return Err(ApiError::invalid(
+                    Some("fault"),
+                    "the engine's 'fault' must be 'hold' or 'fail_steps'",
+                ));
+            }
+        };
+        tracing::warn!(r#loop = "engine", ?fault, "fault injected on request");
+        state.engine.health().inject(fault);
+        return Ok(json_response(
+            StatusCode::OK,
+            &json!({"loop": name, "fault": format!("{fault:?}")}),
+        ));
+    }
     let fault = match param("fault").as_deref() {
         Some("panic") => crate::pd::Fault::Panic,
-        Some("stall") => {
-            let ms: u64 = param("ms")
-                .and_then(|v| v.parse().ok())
-                .ok_or_else(|| ApiError::invalid(Some("ms"), "'ms' must be a whole number"))?;
-            crate::pd::Fault::Stall(Duration::from_millis(ms))
-        }
+        Some("stall") => crate::pd::Fault::Stall(ms()?),
         _ => {
             return Err(ApiError::invalid(
                 Some("fault"),

@@ -115,6 +115,8 @@ pub(super) fn start_full(
         shutdown: Default::default(),
         pd: None,
         fault_injection: false,
+        no_progress: Duration::from_secs(30),
+        progress: Default::default(),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -96,6 +96,7 @@ fn prefill_pod_has_labels_owner_hostname_ports_and_no_gate() {
             "--bootstrap-timeout-seconds=10",
             "--kv-timeout-seconds=10",
             "--channel-deadline-ms=1000",
+            "--no-progress-seconds=30",
             "--threads",
             "4"
         ]
@@ -184,6 +185,7 @@ fn decode_pod_has_gate_peers_and_the_key_in_its_env() {
             "--bootstrap-timeout-seconds=10",
             "--kv-timeout-seconds=10",
             "--channel-deadline-ms=1000",
+            "--no-progress-seconds=30",
             "--max-batch",
             "8"
         ]
@@ -252,6 +254,7 @@ fn the_invocation_takes_its_network_from_the_executor() {
             "--bootstrap-timeout-seconds=10",
             "--kv-timeout-seconds=10",
             "--channel-deadline-ms=1000",
+            "--no-progress-seconds=30",
         ]
     );
     assert_eq!(local.env, cluster.env, "the key, the same way");
