@@ -639,6 +639,7 @@ impl RevisionedSpec {
             health: HashedHealth {
                 probe_period_seconds: h.probe_period_seconds,
                 failure_threshold: h.failure_threshold,
+                no_progress_seconds: h.no_progress_seconds,
                 co_restart_after_seconds: h.co_restart_after_seconds,
                 startup_timeout_seconds: h.startup_timeout_seconds,
             },
@@ -666,6 +667,8 @@ struct Hashed<'a> {
 struct HashedHealth {
     probe_period_seconds: i32,
     failure_threshold: i32,
+    /// The dataplane's `--no-progress-seconds`: a pod setting, so part of the revision.
+    no_progress_seconds: i32,
     co_restart_after_seconds: i32,
     startup_timeout_seconds: i32,
 }

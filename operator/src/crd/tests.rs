@@ -348,7 +348,11 @@ fn revision_ignores_the_unresponsive_grace_and_kept_its_old_value() {
     let before = full.replace(field, "");
     let digest = sha2::Sha256::digest(before.as_bytes());
     assert_eq!(hex::encode(&digest[..5]), r1);
-    // Every other health field is still part of it.
+    // Every other health field is still part of it (the dataplane's no-progress limit too:
+    // changing it must roll the pods that read it).
+    spec.health.no_progress_seconds += 1;
+    let r2 = RevisionedSpec::from_spec(&spec).revision();
+    assert_ne!(r2, r1);
     spec.health.co_restart_after_seconds += 1;
-    assert_ne!(RevisionedSpec::from_spec(&spec).revision(), r1);
+    assert_ne!(RevisionedSpec::from_spec(&spec).revision(), r2);
 }
