@@ -7,26 +7,12 @@
 use std::time::Duration;
 
 use super::sim::{POD_GRACE_SECONDS, Sim};
+use super::tests::{only_pod, ready_sim};
 use super::*;
 use crate::crd::{CoRestartReason as R, DEFAULT_UNRESPONSIVE_GRACE_SECONDS, GroupPhase};
 use crate::testutil::spec;
 
 const SHORT: i32 = DEFAULT_UNRESPONSIVE_GRACE_SECONDS;
-
-fn ready_sim(groups: i32) -> Sim {
-    let mut sim = Sim::new(spec(groups));
-    sim.settle(50);
-    for g in 0..groups {
-        assert_eq!(sim.group(g).phase, GroupPhase::Ready, "group {g} ready");
-    }
-    sim
-}
-
-fn only_pod(sim: &Sim, g: i32, role: Role) -> String {
-    let pods = sim.pods_of(g, role);
-    assert_eq!(pods.len(), 1, "one {role:?} pod in group {g}");
-    pods[0].name.clone()
-}
 
 /// The pods a plan deletes, with their grace.
 fn graces(plan: &Plan) -> Vec<(String, Grace)> {

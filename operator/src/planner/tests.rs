@@ -8,7 +8,8 @@ use crate::crd::{CoRestartReason as R, GroupPhase, RestartPolicy, conditions};
 use crate::testutil::spec;
 
 /// A sim with `groups` groups built and Ready.
-fn ready_sim(groups: i32) -> Sim {
+/// A simulator whose `groups` groups have all become Ready (shared with grace_tests.rs).
+pub(super) fn ready_sim(groups: i32) -> Sim {
     let mut sim = Sim::new(spec(groups));
     sim.settle(50);
     for g in 0..groups {
@@ -17,7 +18,8 @@ fn ready_sim(groups: i32) -> Sim {
     sim
 }
 
-fn only_pod(sim: &Sim, g: i32, role: Role) -> String {
+/// The name of group `g`'s one pod of `role`.
+pub(super) fn only_pod(sim: &Sim, g: i32, role: Role) -> String {
     let pods = sim.pods_of(g, role);
     assert_eq!(pods.len(), 1, "one {role:?} pod in group {g}");
     pods[0].name.clone()

@@ -156,18 +156,7 @@ pub async fn run(env: &Env) -> Result<()> {
         .chain(std::iter::once('z'))
         .collect();
     let obj = with(good.clone(), &["metadata", "name"], json!(name));
-    let out = env
-        .kubectl
-        .run_with(
-            &["apply", "--dry-run=server", "-n", ns, "-f", "-"],
-            Some(&yaml(&obj)),
-        )
-        .await?;
-    ensure!(
-        out.success,
-        "a {MAX_NAME}-character name was refused: {}",
-        out.stderr.trim()
-    );
+    accepted(env, ns, &obj, &format!("a {MAX_NAME}-character name")).await?;
     // And roles that agree on a KV dtype other than the default, with other args.
     let both = with(
         with(
@@ -178,17 +167,19 @@ pub async fn run(env: &Env) -> Result<()> {
         &["spec", "decode", "args"],
         json!(["--max-batch=8", "--kv-dtype=q8_0"]),
     );
+    accepted(env, ns, &both, "roles agreeing on --kv-dtype=q8_0").await?;
+    Ok(())
+}
+
+/// `obj` passes the API server's validation (a server-side dry run).
+async fn accepted(env: &Env, ns: &str, obj: &Value, what: &str) -> Result<()> {
     let out = env
         .kubectl
         .run_with(
             &["apply", "--dry-run=server", "-n", ns, "-f", "-"],
-            Some(&yaml(&both)),
+            Some(&yaml(obj)),
         )
         .await?;
-    ensure!(
-        out.success,
-        "roles agreeing on --kv-dtype=q8_0 were refused: {}",
-        out.stderr.trim()
-    );
+    ensure!(out.success, "{what} was refused: {}", out.stderr.trim());
     Ok(())
 }
