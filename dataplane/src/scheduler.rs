@@ -352,7 +352,14 @@ impl EngineHealth {
             EngineFault::Hold(d) => (&self.hold_until, d),
             EngineFault::FailSteps(d) => (&self.fail_until, d),
         };
-        slot.store(self.now_ms() + d.as_millis() as u64 + 1, Ordering::Relaxed);
+        // A fault of 0 ms disarms at once (an `until` of now + 1 would still play within
+        // the current millisecond: a request sent right after the disarm failed).
+        let until = if d.is_zero() {
+            0
+        } else {
+            self.now_ms() + d.as_millis() as u64 + 1
+        };
+        slot.store(until, Ordering::Relaxed);
     }
     /// Whether an armed fault of this kind is playing now (one relaxed load when unarmed).
     fn playing(&self, slot: &AtomicU64) -> bool {

@@ -166,7 +166,12 @@ fn failing_steps_count_as_no_progress_and_a_step_that_succeeds_heals() {
 
     // Disarm (a fault of 0 ms), and one request that succeeds heals it at once.
     inject(&s, "fail_steps", 0);
-    assert_eq!(completion(&s).status, 200);
+    let r = completion(&s);
+    assert_eq!(
+        r.status, 200,
+        "the first request after the disarm: {}",
+        r.body
+    );
     let b = s.ready_body();
     assert_eq!(b["ready"], true, "{b}");
 }
