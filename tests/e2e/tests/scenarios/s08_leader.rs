@@ -43,6 +43,30 @@ pub async fn run(env: &Env) -> Result<()> {
     let (ns, name) = ("s08", "pd");
     env.namespace(ns).await?;
     let client = &env.cluster.client;
+    // Both replicas Ready first: s06, which runs just before this one, takes a node and
+    // the operator replica on it away, and its replacement may still be starting.
+    let t = std::time::Instant::now();
+    loop {
+        let pdb = env
+            .kubectl
+            .json(&[
+                "get",
+                "pdb",
+                operator::DEPLOYMENT,
+                "-n",
+                operator::OPERATOR_NAMESPACE,
+            ])
+            .await?;
+        if pdb["status"]["currentHealthy"] == 2 {
+            break;
+        }
+        ensure!(
+            t.elapsed() < Duration::from_secs(180),
+            "the operator's two replicas were not Ready within 180 s: {}",
+            pdb["status"]
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
     let a = operator::wait_leader(client, Duration::from_secs(60)).await?;
     let replicas = operator::pods(client).await?;
     ensure!(
