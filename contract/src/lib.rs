@@ -165,5 +165,33 @@ impl MemberSettings {
     }
 }
 
+/// The in-place reset (docs/in-place-reset.md): how an executor asks a live member to end
+/// every room, forget its KV session state and serve at the next group incarnation without
+/// exiting, so that a group co-restarts in about a second and keeps its weights.
+///
+/// `POST` [`PATH`] with the JSON body `{"group_incarnation": N, "timeout_ms": T}` and the
+/// header `Authorization: Tandem-Reset <proof>`, where the proof is the lowercase hex
+/// HMAC-SHA256 of [`proof_message`]`(role, N)` keyed by the bytes of the member's group key
+/// (the value of [`super::GROUP_KEY_ENV`] as given). The proof names the incarnation and the
+/// role, so a proof seen on the wire only repeats a reset that has already happened (a reset
+/// to the incarnation a member already has is answered without doing anything). The key
+/// never crosses the wire.
+pub mod reset {
+    use super::MemberRole;
+
+    /// The path of the reset call on a member's HTTP port.
+    pub const PATH: &str = "/admin/reset";
+    /// The `Authorization` scheme of the reset call.
+    pub const AUTH_SCHEME: &str = "Tandem-Reset";
+    /// How long a member waits for its channel at the new incarnation before it answers
+    /// 504 `reset_incomplete` (the reset itself stays done), unless the body says otherwise.
+    pub const DEFAULT_TIMEOUT_MS: u64 = 5_000;
+
+    /// What the proof of a reset to `group_incarnation` for a member of `role` signs.
+    pub fn proof_message(role: MemberRole, group_incarnation: u64) -> String {
+        format!("tandem-reset/v1 {} {group_incarnation}", role.as_str())
+    }
+}
+
 #[cfg(test)]
 mod tests;

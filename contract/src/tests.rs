@@ -133,3 +133,11 @@ proptest! {
         prop_assert!(p.contains(&("served-model-name", m.served_model_name.as_str())));
     }
 }
+
+#[test]
+fn a_reset_proof_names_the_role_and_the_incarnation() {
+    let p = reset::proof_message(MemberRole::Prefill, 7);
+    assert_eq!(p, "tandem-reset/v1 prefill 7");
+    assert_ne!(p, reset::proof_message(MemberRole::Decode, 7));
+    assert_ne!(p, reset::proof_message(MemberRole::Prefill, 8));
+}
