@@ -45,6 +45,7 @@ use crate::names;
 use crate::planner::{self, PlanInput};
 use crate::ready::{HttpFetcher, ReadyFetcher};
 use crate::reasons::Problem;
+use crate::reset_call::{HttpResetCaller, ResetCaller};
 use crate::resources::{self, BuildError};
 
 pub use observe::{Foreign, observe_pod, ready_target, restart_requested_at};
@@ -149,6 +150,8 @@ pub struct Context {
     pub clock: Arc<dyn Fn() -> Timestamp + Send + Sync>,
     /// Reads a not-ready decode pod's `/ready` (HTTP; canned in tests).
     pub ready: Arc<dyn ReadyFetcher>,
+    /// Makes in-place reset calls to pods (HTTP; canned in tests).
+    pub resetter: Arc<dyn ResetCaller>,
     /// Consecutive failed reconciles per `namespace/name`, for the error backoff.
     failures: Mutex<HashMap<String, u32>>,
 }
@@ -162,6 +165,7 @@ impl Context {
             reporter,
             clock: Arc::new(Timestamp::now),
             ready: Arc::new(HttpFetcher::default()),
+            resetter: Arc::new(HttpResetCaller),
             failures: Mutex::default(),
         }
     }
@@ -169,6 +173,12 @@ impl Context {
     /// Read `/ready` bodies with `fetcher` (tests).
     pub fn with_ready_fetcher(mut self, fetcher: impl ReadyFetcher + 'static) -> Self {
         self.ready = Arc::new(fetcher);
+        self
+    }
+
+    /// Make in-place reset calls with `caller` (tests).
+    pub fn with_reset_caller(mut self, caller: impl ResetCaller + 'static) -> Self {
+        self.resetter = Arc::new(caller);
         self
     }
 
@@ -233,7 +243,7 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
         write_status(&api, &name, &status).await?;
         return Ok(Action::await_change());
     }
-    let (observed, foreign) = observe::observe(&ctx, &pdd, &ns, &name).await?;
+    let (observed, foreign, pod_addrs) = observe::observe(&ctx, &pdd, &ns, &name).await?;
     let (restart_requested_at, bad_annotation) = match restart_requested_at(&pdd) {
         Ok(t) => (t, None),
         Err(why) => (None, Some(why)),
@@ -256,6 +266,7 @@ pub async fn reconcile(trigger: Arc<PDDeployment>, ctx: Arc<Context>) -> Result<
         ctx: &ctx,
         pdd: &pdd,
         foreign: &foreign,
+        pod_addrs: &pod_addrs,
         recorder: &recorder,
         namespace: ns.clone(),
         name: name.clone(),
@@ -301,5 +312,7 @@ mod grace_tests;
 mod mock_api;
 #[cfg(test)]
 mod observe_tests;
+#[cfg(test)]
+mod reset_tests;
 #[cfg(test)]
 mod tests;

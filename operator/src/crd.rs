@@ -367,13 +367,41 @@ pub enum RestartPolicy {
     None,
 }
 
-#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RestartSpec {
     #[serde(default)]
     pub policy: RestartPolicy,
     #[serde(default)]
     pub backoff: BackoffSpec,
+    /// How long an in-place co-restart may take before the operator falls back to deleting
+    /// the group's pods (docs/in-place-reset.md). When both members are alive and the fault
+    /// is the channel or the session (a decode not ready for a channel reason while its
+    /// prefills are ready), the members reset to the next incarnation without exiting,
+    /// prefill first, and keep their weights; a member that crashed, hangs or was deleted
+    /// is always replaced. 0: never in place, every co-restart deletes and recreates the
+    /// pods. Not part of the revision.
+    #[serde(default = "default_in_place_reset")]
+    #[schemars(range(min = 0, max = 300))]
+    pub in_place_reset_seconds: i32,
+}
+
+/// Default of `restart.inPlaceResetSeconds`: a reset takes well under a second when it
+/// works; a member that has not answered in 10 s is better replaced.
+pub const DEFAULT_IN_PLACE_RESET_SECONDS: i32 = 10;
+
+fn default_in_place_reset() -> i32 {
+    DEFAULT_IN_PLACE_RESET_SECONDS
+}
+
+impl Default for RestartSpec {
+    fn default() -> Self {
+        Self {
+            policy: RestartPolicy::default(),
+            backoff: BackoffSpec::default(),
+            in_place_reset_seconds: default_in_place_reset(),
+        }
+    }
 }
 
 /// Exponential backoff between co-restarts of the same group: base × 2^(n-1), capped.
@@ -491,6 +519,10 @@ pub enum GroupPhase {
     Broken,
     /// Old members are being removed, decode first, before the rebuild.
     Restarting,
+    /// The members are resetting in place to the new incarnation, prefill first, without
+    /// exiting (`status.groups[].reset`); on failure or after
+    /// `restart.inPlaceResetSeconds` the group goes to `Restarting`.
+    Resetting,
     /// Index at or above `spec.groups`: being removed, decode first.
     ScalingDown,
 }
@@ -541,6 +573,22 @@ impl std::fmt::Display for CoRestartReason {
 pub struct CoRestartRecord {
     pub time: Time,
     pub reason: CoRestartReason,
+    /// Carried out in place (the members reset without exiting and kept their weights);
+    /// false when the pods were deleted and recreated.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_place: bool,
+}
+
+/// An in-place co-restart in progress (`GroupPhase::Resetting`).
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InPlaceReset {
+    /// The incarnation the members are leaving (the group's `incarnation` is the one they
+    /// reset to).
+    pub from_incarnation: i64,
+    /// When the reset began; it falls back to deleting the pods once
+    /// `restart.inPlaceResetSeconds` have passed.
+    pub started: Time,
 }
 
 /// The operator's view of one bootstrap group.
@@ -585,6 +633,9 @@ pub struct GroupStatus {
     /// words (its `/ready` body, docs/readiness.md); absent when no decode reports one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_not_ready: Option<DecodeNotReady>,
+    /// The in-place co-restart in progress, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reset: Option<InPlaceReset>,
 }
 
 /// A decode pod's answer to `/ready` while it is not ready.
@@ -776,6 +827,10 @@ pub mod labels {
     pub const ROLE: &str = "tandem.dev/role";
     pub const REVISION: &str = "tandem.dev/revision";
     pub const INCARNATION: &str = "tandem.dev/incarnation";
+    /// Annotation: when the pod last reset in place (its `tandem.dev/incarnation` label and
+    /// annotation then name the incarnation it serves; its name keeps the one it was
+    /// created at).
+    pub const RESET_AT: &str = "tandem.dev/reset-at";
     pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
     /// On Services and NetworkPolicies: the `<httpPort>-<kvPort>` they were built for,
     /// so a port change in the spec re-applies them.

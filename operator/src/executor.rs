@@ -19,8 +19,11 @@
 //! | `CreatePod` | [`Executor::create_member`] |
 //! | `DeletePod` | [`Executor::delete_member`] |
 //! | `ForceDeletePod` | [`Executor::force_delete_member`] |
+//! | `ResetMember` | [`Executor::reset_member`] |
 //! | `SetGroupReadyGate` | [`Executor::set_group_ready_gate`] |
 //! | `Event` | [`Executor::publish_event`] |
+
+use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
 
@@ -74,6 +77,17 @@ pub trait Executor {
         role: Role,
         now: Timestamp,
     ) -> Result<(), Self::Error>;
+    /// Ask a live member to reset in place to a new incarnation (docs/in-place-reset.md).
+    /// Once the member answers that it is ready there, the executor moves the member's
+    /// observed incarnation on (a pod's `tandem.dev/incarnation` label and annotation; a
+    /// local member's record). A member that cannot be asked or does not answer in time is
+    /// no error: it stays at its incarnation, the planner asks again and in the end falls
+    /// back to deleting it. The call is idempotent.
+    async fn reset_member(
+        &mut self,
+        reset: &MemberReset<'_>,
+        now: Timestamp,
+    ) -> Result<(), Self::Error>;
     /// Open or close a decode's `tandem.dev/group-ready` gate (the client Service, or the
     /// local router, sends it traffic only while open).
     async fn set_group_ready_gate(
@@ -99,6 +113,17 @@ pub struct MemberDelete<'a> {
     pub incarnation: i64,
     pub reason: DeleteReason,
     pub grace: Grace,
+}
+
+/// A [`PlannedAction::ResetMember`], as the executors receive it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemberReset<'a> {
+    pub pod: &'a str,
+    pub group: i32,
+    pub role: Role,
+    pub from_incarnation: i64,
+    pub to_incarnation: i64,
+    pub timeout: Duration,
 }
 
 /// Carry out one action with `executor`.
@@ -142,6 +167,24 @@ pub async fn execute<E: Executor>(
         }
         PlannedAction::ForceDeletePod { name, group, role } => {
             executor.force_delete_member(name, *group, *role, now).await
+        }
+        PlannedAction::ResetMember {
+            name,
+            group,
+            role,
+            from_incarnation,
+            to_incarnation,
+            timeout,
+        } => {
+            let reset = MemberReset {
+                pod: name,
+                group: *group,
+                role: *role,
+                from_incarnation: *from_incarnation,
+                to_incarnation: *to_incarnation,
+                timeout: *timeout,
+            };
+            executor.reset_member(&reset, now).await
         }
         PlannedAction::SetGroupReadyGate { pod, ready } => {
             executor.set_group_ready_gate(pod, *ready, now).await

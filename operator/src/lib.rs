@@ -11,6 +11,7 @@ pub mod names;
 pub mod planner;
 pub mod ready;
 pub mod reasons;
+pub mod reset_call;
 pub mod resources;
 pub mod role;
 pub mod server;

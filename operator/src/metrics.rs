@@ -29,6 +29,13 @@ pub struct Metrics {
     pub force_deleted_pods: Counter,
     pub member_deletes: Family<DeleteLabels, Counter>,
     pub ready_reads: Family<ResultLabel, Counter>,
+    pub in_place_resets: Family<OutcomeLabel, Counter>,
+    pub reset_calls: Family<OutcomeLabel, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    pub outcome: String,
 }
 
 /// A member delete: why (the co-restart reason or `ScaleDown`), with which grace (`full`,
@@ -66,6 +73,8 @@ impl Metrics {
         let force_deleted_pods = Counter::default();
         let member_deletes = Family::<DeleteLabels, Counter>::default();
         let ready_reads = Family::<ResultLabel, Counter>::default();
+        let in_place_resets = Family::<OutcomeLabel, Counter>::default();
+        let reset_calls = Family::<OutcomeLabel, Counter>::default();
         // Counters get their `_total` suffix from the encoder.
         registry.register(
             "reconciles",
@@ -117,6 +126,16 @@ impl Metrics {
             "Reads of a not-ready decode pod's /ready by result: not_ready (it gave a reason), ready, or why it could not be read (probe_unreachable, probe_unknown_format, probe_malformed)",
             ready_reads.clone(),
         );
+        registry.register(
+            "in_place_resets",
+            "In-place co-restarts by outcome: started, completed (every member serves the new incarnation, weights kept), fell_back (deleted and recreated instead)",
+            in_place_resets.clone(),
+        );
+        registry.register(
+            "reset_calls",
+            "In-place reset calls to members by outcome: ready, already (a repeat), no_answer, or the member's refusal reason (reset_incomplete, stale_incarnation, draining, reset_unauthorized, ...)",
+            reset_calls.clone(),
+        );
         Self {
             registry,
             reconciles,
@@ -129,7 +148,18 @@ impl Metrics {
             force_deleted_pods,
             member_deletes,
             ready_reads,
+            in_place_resets,
+            reset_calls,
         }
+    }
+
+    /// Count one in-place reset call by its outcome ([`crate::reset_call::ResetReply::outcome`]).
+    pub fn reset_call(&self, outcome: &str) {
+        self.reset_calls
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.to_string(),
+            })
+            .inc();
     }
 
     /// Count one read of a decode pod's `/ready`.
@@ -177,6 +207,13 @@ impl Metrics {
                     })
                     .inc();
             }
+        }
+        for (_, outcome) in &plan.resets {
+            self.in_place_resets
+                .get_or_create(&OutcomeLabel {
+                    outcome: outcome.as_str().to_string(),
+                })
+                .inc();
         }
         for (_, took) in &plan.became_ready {
             self.group_ready_seconds.observe(took.as_secs_f64());
@@ -245,15 +282,20 @@ mod tests {
                 reason: CoRestartReason::MemberFailed,
                 old_incarnation: 1,
                 new_incarnation: 2,
+                in_place: false,
             }],
             became_ready: vec![(0, Duration::from_secs(42))],
             requeue_after: None,
+            resets: vec![(0, crate::planner::ResetOutcome::FellBack)],
         });
+        m.reset_call("no_answer");
         let text = m.encode();
         for needle in [
             "tandem_operator_reconciles_total 1",
             "tandem_operator_reconcile_errors_total{reason=\"kube_api\"} 1",
             "tandem_operator_co_restarts_total{reason=\"MemberFailed\"} 1",
+            "tandem_operator_in_place_resets_total{outcome=\"fell_back\"} 1",
+            "tandem_operator_reset_calls_total{outcome=\"no_answer\"} 1",
             "tandem_operator_group_ready_seconds_sum 42.0",
             "tandem_operator_group_ready_seconds_count 1",
             "tandem_operator_reconcile_duration_seconds_count 1",

@@ -14,6 +14,19 @@ pub fn pod_name(deployment: &str, group: i32, incarnation: i64, role: Role, inde
     format!("{deployment}-g{group}-i{incarnation}-{r}{index}")
 }
 
+/// The replica index at the end of a member's name ([`pod_name`]: `…-p0`, `…-d12`).
+pub fn member_index(pod: &str, role: Role) -> Option<i32> {
+    let r = match role {
+        Role::Prefill => 'p',
+        Role::Decode => 'd',
+    };
+    let (_, last) = pod.rsplit_once('-')?;
+    let digits = last.strip_prefix(r)?;
+    let i: i32 = digits.parse().ok()?;
+    // Canonical spelling only ("d01", "d+1" are not ours).
+    (i >= 0 && i.to_string() == digits).then_some(i)
+}
+
 /// Name of a group's headless bootstrap Service (selects its prefill pods).
 pub fn group_service_name(deployment: &str, group: i32) -> String {
     format!("{deployment}-g{group}-bootstrap")
@@ -106,6 +119,25 @@ pub fn group_of(deployment: &str, name: &str, suffix: &str) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_member_index_is_read_back_from_its_name() {
+        for (role, i) in [(Role::Prefill, 0), (Role::Decode, 3), (Role::Decode, 12)] {
+            let name = pod_name("llm-d1", 2, 7, role, i);
+            assert_eq!(member_index(&name, role), Some(i), "{name}");
+        }
+        let other = pod_name("x", 0, 1, Role::Prefill, 0);
+        assert_eq!(member_index(&other, Role::Decode), None);
+        for bad in [
+            "x-g0-i1-d",
+            "x-g0-i1-d01",
+            "x-g0-i1-d+1",
+            "x-g0-i1-dx",
+            "d1",
+        ] {
+            assert_eq!(member_index(bad, Role::Decode), None, "{bad}");
+        }
+    }
 
     #[test]
     fn the_longest_name_leaves_room_for_the_longest_suffix() {

@@ -29,10 +29,13 @@ use crate::crd::{
 
 mod build;
 mod group;
+pub mod reset;
 mod status;
 
 use crate::reasons::EventReason;
 pub use crate::role::Role;
+
+pub use reset::ResetOutcome;
 
 use group::{ensure_group_objects, find_trigger, scale_down_group, step_group};
 
@@ -52,7 +55,13 @@ pub struct ObservedPod {
     pub name: String,
     pub group: i32,
     pub role: Role,
+    /// Replica index inside the role (the `{r}{index}` at the end of its name). A member
+    /// keeps its name when it resets in place, so its name's incarnation may be older than
+    /// `incarnation`: members are matched by role and index, never by name.
+    pub index: i32,
     pub revision: String,
+    /// The incarnation the member serves (the `tandem.dev/incarnation` label; an in-place
+    /// reset moves it on).
     pub incarnation: i64,
     pub phase: PodPhase,
     /// `deletionTimestamp` is set (deleted, evicted, being drained).
@@ -270,6 +279,21 @@ pub enum PlannedAction {
         group: i32,
         role: Role,
     },
+    /// Ask a live member to reset in place to `to_incarnation` (docs/in-place-reset.md): it
+    /// ends every room with a reason, forgets its KV session state and handshakes afresh,
+    /// keeping its process and weights. The executor moves the member's observed
+    /// incarnation on once the member says it is ready at `to_incarnation`; until then (or
+    /// when a call fails) the next plan asks again — the call is idempotent — until
+    /// `restart.inPlaceResetSeconds` have passed and the planner deletes the pods instead.
+    ResetMember {
+        name: String,
+        group: i32,
+        role: Role,
+        from_incarnation: i64,
+        to_incarnation: i64,
+        /// How long the member may take to be ready at the new incarnation.
+        timeout: Duration,
+    },
     /// Patch the decode pod's `tandem.dev/group-ready` status condition.
     SetGroupReadyGate {
         pod: String,
@@ -289,6 +313,8 @@ pub struct CoRestart {
     pub reason: CoRestartReason,
     pub old_incarnation: i64,
     pub new_incarnation: i64,
+    /// Begun in place (the members reset without exiting); it may still fall back.
+    pub in_place: bool,
 }
 
 /// The planner's answer.
@@ -303,6 +329,8 @@ pub struct Plan {
     /// Reconcile again after this long even if nothing changes (a backoff expires or a
     /// not-ready member reaches its window).
     pub requeue_after: Option<Duration>,
+    /// In-place resets that began, completed or fell back in this plan (for metrics).
+    pub resets: Vec<(i32, ResetOutcome)>,
 }
 
 /// How long past its grace period a terminating pod may linger before it is force-deleted.
@@ -388,6 +416,7 @@ struct Ctx<'a> {
     co_restarts: Vec<CoRestart>,
     became_ready: Vec<(i32, Duration)>,
     requeue: Option<Duration>,
+    resets: Vec<(i32, ResetOutcome)>,
 }
 
 impl Ctx<'_> {
@@ -462,6 +491,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         co_restarts: Vec::new(),
         became_ready: Vec::new(),
         requeue: None,
+        resets: Vec::new(),
     };
 
     let desired_groups = input.spec.groups.max(0);
@@ -583,6 +613,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         co_restarts: ctx.co_restarts,
         became_ready: ctx.became_ready,
         requeue_after: ctx.requeue,
+        resets: ctx.resets,
     }
 }
 
@@ -661,6 +692,8 @@ fn note_phase(ctx: &mut Ctx<'_>, mem: &GroupStatus, prev: Option<GroupPhase>) {
 mod grace_tests;
 #[cfg(test)]
 mod props;
+#[cfg(test)]
+mod reset_tests;
 #[cfg(test)]
 mod sim;
 #[cfg(test)]

@@ -51,6 +51,11 @@ pub enum EventReason {
     /// A hung or failed member was deleted with `health.unresponsiveGraceSeconds` instead
     /// of its full grace period.
     UnresponsiveMemberDeleted,
+    /// A group's members all reset in place to its new incarnation.
+    InPlaceResetCompleted,
+    /// An in-place reset did not complete in time, or a member failed during it: the
+    /// group's pods are deleted instead.
+    InPlaceResetFailed,
     /// See [`Problem`].
     Problem(Problem),
     /// Local runtime: the edited manifest is refused (the running spec stays).
@@ -71,6 +76,8 @@ impl EventReason {
             Self::ScalingDown => "ScalingDown",
             Self::PodForceDeleted => "PodForceDeleted",
             Self::UnresponsiveMemberDeleted => "UnresponsiveMemberDeleted",
+            Self::InPlaceResetCompleted => "InPlaceResetCompleted",
+            Self::InPlaceResetFailed => "InPlaceResetFailed",
             Self::Problem(p) => p.as_str(),
             Self::InvalidSpec => "InvalidSpec",
             Self::SpecChanged => "SpecChanged",
@@ -87,6 +94,7 @@ impl EventReason {
             Self::ScalingDown => "ScaleDown",
             Self::PodForceDeleted => "ForceDelete",
             Self::UnresponsiveMemberDeleted => "Delete",
+            Self::InPlaceResetCompleted | Self::InPlaceResetFailed => "ResetInPlace",
             Self::Problem(Problem::InvalidRestartRequest) | Self::RestartRequestChanged => {
                 "ParseAnnotation"
             }

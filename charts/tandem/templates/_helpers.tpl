@@ -79,10 +79,11 @@ exist yet is authorized as create as well as patch. */}}
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [list, watch, create, patch, delete]
-# Group keys: created once per group, never read back through a GET or patched.
+# Group keys: created once per group and never patched; read back (get) only to sign an
+# in-place reset of the group's members (docs/in-place-reset.md). The lists are metadata only.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [list, watch, create, delete]
+  verbs: [get, list, watch, create, delete]
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create, patch]

@@ -11,14 +11,16 @@ use kube::runtime::events::Recorder;
 use serde_json::json;
 use tracing::{info, warn};
 
-use super::observe::Foreign;
+use super::observe::{Foreign, PodAddrs};
 use super::report::publish;
 use super::{Context, Error, FIELD_MANAGER, is_status};
+use crate::crd::labels;
 use crate::crd::{PDDeployment, conditions};
-use crate::executor::{Executor, MemberDelete};
+use crate::executor::{Executor, MemberDelete, MemberReset};
 use crate::names;
 use crate::planner::{Grace, PlannedEvent, PodIntent};
 use crate::reasons::ConditionReason;
+use crate::reset_call::ResetReply;
 use crate::resources;
 use crate::role::Role;
 
@@ -87,6 +89,7 @@ pub(super) struct KubeExecutor<'a> {
     pub(super) ctx: &'a Context,
     pub(super) pdd: &'a PDDeployment,
     pub(super) foreign: &'a Foreign,
+    pub(super) pod_addrs: &'a PodAddrs,
     pub(super) recorder: &'a Recorder,
     pub(super) namespace: String,
     pub(super) name: String,
@@ -99,6 +102,24 @@ impl KubeExecutor<'_> {
         K::DynamicType: Default,
     {
         Api::namespaced(self.ctx.client.clone(), &self.namespace)
+    }
+}
+
+impl KubeExecutor<'_> {
+    /// The group key from the group's Secret: read only to sign an in-place reset.
+    async fn group_key(&self, group: i32) -> Result<String, String> {
+        let name = names::group_secret_name(&self.name, group);
+        let secret = self
+            .api::<Secret>()
+            .get(&name)
+            .await
+            .map_err(|e| format!("reading secret {name}: {e}"))?;
+        let key = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(resources::SECRET_KEY))
+            .ok_or_else(|| format!("secret {name} has no {:?}", resources::SECRET_KEY))?;
+        String::from_utf8(key.0.clone()).map_err(|_| format!("secret {name}: the key is not text"))
     }
 }
 
@@ -211,6 +232,86 @@ impl Executor for KubeExecutor<'_> {
             ..Default::default()
         };
         delete(&self.api::<Pod>(), pod, "pod", &dp).await
+    }
+
+    /// The call to the pod's IP (the reconcile waits for its answer, bounded by the
+    /// planner's timeout), then, once the member is ready at the new incarnation, its
+    /// `tandem.dev/incarnation` label and annotation moved on. A member that could not be
+    /// asked or did not answer is logged and counted, not an error: the next plan asks
+    /// again until the planner falls back to deleting it.
+    async fn reset_member(&mut self, r: &MemberReset<'_>, now: Timestamp) -> Result<(), Error> {
+        let (pod, group, role) = (r.pod, r.group, r.role.as_str());
+        let (from, to) = (r.from_incarnation, r.to_incarnation);
+        let Some(&addr) = self.pod_addrs.get(pod) else {
+            warn!(
+                pod,
+                group, role, from, to, "cannot reset in place: the pod has no IP and http port"
+            );
+            self.ctx.metrics.reset_call("no_address");
+            return Ok(());
+        };
+        let key = match self.group_key(group).await {
+            Ok(k) => k,
+            Err(why) => {
+                warn!(pod, group, role, from, to, "cannot reset in place: {why}");
+                self.ctx.metrics.reset_call("no_key");
+                return Ok(());
+            }
+        };
+        info!(pod, group, role, from, to, %addr, "asking the pod to reset in place");
+        let reply = self
+            .ctx
+            .resetter
+            .call(addr, r.role, to, key, r.timeout)
+            .await;
+        self.ctx.metrics.reset_call(reply.outcome());
+        match reply {
+            ResetReply::Ready {
+                reset,
+                incarnation,
+                took_ms,
+            } => {
+                info!(pod, group, role, from, to, reset, took_ms, process_incarnation = %incarnation, "pod serves the new incarnation (weights kept)");
+                let patch = json!({
+                    "metadata": {
+                        "labels": { labels::INCARNATION: to.to_string() },
+                        "annotations": {
+                            labels::INCARNATION: to.to_string(),
+                            labels::RESET_AT: now.to_string(),
+                        },
+                    }
+                });
+                match self
+                    .api::<Pod>()
+                    .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    Ok(_) => Ok(()),
+                    Err(e) if is_status(&e, 404) => Ok(()),
+                    Err(e) => Err(Error::kube(format!(
+                        "moving the incarnation of pod {pod} to {to}"
+                    ))(e)),
+                }
+            }
+            ResetReply::Refused {
+                status,
+                reason,
+                message,
+            } => {
+                warn!(
+                    pod,
+                    group, role, from, to, status, reason, "pod did not reset in place: {message}"
+                );
+                Ok(())
+            }
+            ResetReply::Failed(why) => {
+                warn!(
+                    pod,
+                    group, role, from, to, "pod did not answer the reset call: {why}"
+                );
+                Ok(())
+            }
+        }
     }
 
     async fn set_group_ready_gate(

@@ -28,6 +28,7 @@ fn restarting(reason: CoRestartReason) -> PDDeploymentStatus {
     g.last_co_restart = Some(CoRestartRecord {
         time: Time(now()),
         reason,
+        in_place: false,
     });
     st
 }

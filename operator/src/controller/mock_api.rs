@@ -398,6 +398,57 @@ impl ReadyFetcher for FakeReady {
     }
 }
 
+/// Canned answers of in-place reset calls by address; an address without one does not
+/// answer. Records every call (address, role, incarnation, key).
+#[derive(Clone, Default)]
+pub(super) struct FakeResetter {
+    pub(super) answers: HashMap<SocketAddr, crate::reset_call::ResetReply>,
+    pub(super) calls: Arc<Mutex<Vec<(SocketAddr, Role, i64, String)>>>,
+}
+
+impl crate::reset_call::ResetCaller for FakeResetter {
+    fn call(
+        &self,
+        addr: SocketAddr,
+        role: Role,
+        to_incarnation: i64,
+        key: String,
+        _timeout: Duration,
+    ) -> BoxFuture<'static, crate::reset_call::ResetReply> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push((addr, role, to_incarnation, key));
+        let answer = self.answers.get(&addr).cloned().unwrap_or_else(|| {
+            crate::reset_call::ResetReply::Failed(format!("connect {addr}: refused"))
+        });
+        Box::pin(async move { answer })
+    }
+}
+
+/// Run one reconcile whose in-place reset calls `resetter` answers.
+pub(super) async fn run_with_resetter<F>(
+    trigger: PDDeployment,
+    resetter: FakeResetter,
+    script: impl FnOnce(MockApi) -> F,
+) -> (Result<Action, Error>, Arc<Metrics>)
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (ctx, api) = context(FakeReady::default());
+    let ctx = Arc::new(Arc::into_inner(ctx).unwrap().with_reset_caller(resetter));
+    let metrics = ctx.metrics.clone();
+    let server = tokio::spawn(script(api));
+    let result = tokio::time::timeout(Duration::from_secs(10), reconcile(Arc::new(trigger), ctx))
+        .await
+        .expect("reconcile hung");
+    tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .expect("mock server hung")
+        .expect("mock server assertions");
+    (result, metrics)
+}
+
 pub(super) fn context(ready: FakeReady) -> (Arc<Context>, MockApi) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, NS);

@@ -35,6 +35,8 @@ pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
         .parse::<i64>()
         .map_err(|e| format!("label {}: {e}", labels::INCARNATION))?;
     let revision = label(labels::REVISION)?.clone();
+    let index = crate::names::member_index(&name, role)
+        .ok_or_else(|| format!("name {name:?} does not end in a member index"))?;
     let status = pod.status.as_ref();
     let phase = match status.and_then(|s| s.phase.as_deref()) {
         None | Some("Pending") => PodPhase::Pending,
@@ -59,6 +61,7 @@ pub fn observe_pod(pod: &Pod) -> Result<ObservedPod, String> {
         name,
         group,
         role,
+        index,
         revision,
         incarnation,
         phase,
@@ -97,7 +100,13 @@ pub fn ready_target(pod: &Pod, observed: &ObservedPod) -> Option<SocketAddr> {
     if started != Some(true) {
         return None;
     }
-    let ip: IpAddr = status.pod_ip.as_deref()?.parse().ok()?;
+    http_addr(pod)
+}
+
+/// A pod's HTTP address: its pod IP and its container's `http` port (the dataplane's
+/// `/ready` and in-place reset call).
+pub fn http_addr(pod: &Pod) -> Option<SocketAddr> {
+    let ip: IpAddr = pod.status.as_ref()?.pod_ip.as_deref()?.parse().ok()?;
     let port = pod
         .spec
         .as_ref()?
@@ -283,6 +292,9 @@ fn describe_owner(meta: &ObjectMeta) -> String {
     }
 }
 
+/// The HTTP address of each owned pod that has one, by pod name (for in-place resets).
+pub(super) type PodAddrs = BTreeMap<String, SocketAddr>;
+
 /// Read everything the deployment owns: pods by label, and every Service, NetworkPolicy
 /// and Secret of the namespace by name (metadata only, so Secret data is never read).
 /// Only objects whose controller owner reference carries this deployment's UID count as
@@ -293,7 +305,7 @@ pub(super) async fn observe(
     pdd: &PDDeployment,
     ns: &str,
     name: &str,
-) -> Result<(Observed, Foreign), Error> {
+) -> Result<(Observed, Foreign, PodAddrs), Error> {
     let client = &ctx.client;
     let uid = pdd
         .metadata
@@ -308,6 +320,7 @@ pub(super) async fn observe(
         .await
         .map_err(Error::kube("listing pods"))?;
     let mut observed = Observed::default();
+    let mut addrs = PodAddrs::new();
     let mut ask = Vec::new();
     for pod in &pods.items {
         if !ours(&pod.metadata) {
@@ -316,6 +329,9 @@ pub(super) async fn observe(
         }
         match observe_pod(pod) {
             Ok(p) => {
+                if let Some(addr) = http_addr(pod) {
+                    addrs.insert(p.name.clone(), addr);
+                }
                 if let Some(addr) = ready_target(pod, &p) {
                     ask.push((observed.pods.len(), addr));
                 }
@@ -375,5 +391,5 @@ pub(super) async fn observe(
             foreign.insert(("secret", s.name_any()), describe_owner(&s.metadata));
         }
     }
-    Ok((observed, foreign))
+    Ok((observed, foreign, addrs))
 }

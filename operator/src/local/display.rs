@@ -210,6 +210,7 @@ mod tests {
                 last_co_restart: Some(CoRestartRecord {
                     time: Time(Timestamp::from_second(1_800_000_088).unwrap()),
                     reason: CoRestartReason::MemberNotReady,
+                    in_place: false,
                 }),
                 ..Default::default()
             }],

@@ -6,6 +6,7 @@
 //! | `CreatePod` | server-side apply of the pod | start a `tandem-dataplane` process with the same args and env ([`crate::resources::dataplane_invocation`]), on free loopback ports |
 //! | `DeletePod` | delete (kubelet: SIGTERM, SIGKILL after the grace period; the short grace as `gracePeriodSeconds`) | SIGTERM, SIGKILL after the grace period (`--grace-period-seconds`, or the planner's short grace for a hung member, never longer); an exited process is removed at once |
 //! | `SetGroupReadyGate` | patch the pod's `tandem.dev/group-ready` condition | add to / remove from the local router |
+//! | `ResetMember` | `POST /admin/reset` to the pod, then its incarnation label moved on | the same call, in the background ([`Processes::reset`]); its answer ([`LocalExecutor::on_reset`]) moves the member's incarnation on |
 //! | `CreateGroupSecret` | create the Secret with a random key | keep a random key in memory, given to the group's members |
 //! | `ApplyClientService` | apply the client Service | the router is already listening: recorded |
 //! | `ApplyGroupService`, `ApplyNetworkPolicy` | apply | nothing to do on loopback: recorded |
@@ -31,10 +32,11 @@ pub use super::record::{Entry, EntryKind, Record};
 use crate::names;
 use futures::FutureExt;
 
-use crate::executor::{self, Executor, MemberDelete};
+use crate::executor::{self, Executor, MemberDelete, MemberReset};
 use crate::planner::{
     DeleteReason, EventKind, Grace, Observed, PlannedAction, PlannedEvent, PodIntent, Role,
 };
+use crate::reset_call::ResetReply;
 use crate::resources::{self, DataplaneNetwork};
 
 /// Starting and signalling processes (real ones in [`super::process`]).
@@ -45,6 +47,21 @@ pub trait Processes {
     fn spawn(&mut self, launch: &Launch) -> Result<u32, String>;
     /// Send `signal` to the member's process, unless it has exited.
     fn signal(&mut self, pod: &str, signal: Signal);
+    /// Start an in-place reset call (`crate::reset_call`); its answer comes back to the
+    /// runtime as a message, never waited for here.
+    fn reset(&mut self, call: &ResetCall);
+}
+
+/// One in-place reset call to make.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResetCall {
+    pub pod: String,
+    pub http: SocketAddr,
+    pub role: Role,
+    pub to_incarnation: i64,
+    /// The group key (the proof's key; never sent).
+    pub key: String,
+    pub timeout: Duration,
 }
 
 /// Everything needed to start one member process.
@@ -248,6 +265,8 @@ impl<P: Processes> LocalExecutor<P> {
             startup_failure: None,
             gate: false,
             log: launch.log.clone(),
+            resetting: None,
+            resets: 0,
         };
         self.record.push(
             now,
@@ -353,6 +372,117 @@ impl<P: Processes> LocalExecutor<P> {
             None,
             msg,
         );
+    }
+
+    fn reset(&mut self, r: &MemberReset<'_>, now: Timestamp) {
+        let Some(m) = self.members.get_mut(r.pod) else {
+            return;
+        };
+        if !m.alive()
+            || m.terminating.is_some()
+            || m.incarnation >= r.to_incarnation
+            || m.resetting == Some(r.to_incarnation)
+        {
+            // Gone (the planner falls back), already there, or asked already.
+            return;
+        }
+        let group = m.group;
+        let Some(key) = self.objects.keys.get(&group) else {
+            let msg = format!(
+                "cannot ask {} to reset in place: group {group} has no key",
+                r.pod
+            );
+            self.record
+                .push(now, EntryKind::Failed, true, group, Some(r.pod), None, msg);
+            return;
+        };
+        m.resetting = Some(r.to_incarnation);
+        let call = ResetCall {
+            pod: m.name.clone(),
+            http: m.http,
+            role: m.role,
+            to_incarnation: r.to_incarnation,
+            key: key.clone(),
+            timeout: r.timeout,
+        };
+        let msg = format!(
+            "asked {} {} (pid {}) to reset in place: incarnation {} → {}",
+            m.role.as_str(),
+            m.name,
+            m.pid,
+            r.from_incarnation,
+            r.to_incarnation
+        );
+        self.processes.reset(&call);
+        self.record.push(
+            now,
+            EntryKind::Resetting,
+            false,
+            group,
+            Some(r.pod),
+            None,
+            msg,
+        );
+    }
+
+    /// The answer of a reset call: on ready, the member serves `to` (and is ready there, in
+    /// its own words: no probe period is waited for). Returns true (the planner runs
+    /// again either way: it asks again or moves on).
+    pub fn on_reset(&mut self, pod: &str, to: i64, reply: ResetReply, now: Timestamp) -> bool {
+        let Some(m) = self.members.get_mut(pod) else {
+            return false;
+        };
+        if m.resetting == Some(to) {
+            m.resetting = None;
+        }
+        if !m.alive() || m.terminating.is_some() {
+            return false;
+        }
+        let group = m.group;
+        match reply {
+            ResetReply::Ready {
+                reset,
+                incarnation,
+                took_ms,
+            } => {
+                if m.incarnation < to {
+                    m.incarnation = to;
+                    m.resets += 1;
+                }
+                let threshold = m.health.failure_threshold;
+                m.readiness.record(ProbeOutcome::Ready, threshold, now);
+                let what = if reset {
+                    "reset in place"
+                } else {
+                    "already served"
+                };
+                let msg = format!(
+                    "{} {pod} (pid {}) {what} incarnation {to} and is ready ({took_ms} ms; process incarnation {incarnation}; weights kept)",
+                    m.role.as_str(),
+                    m.pid,
+                );
+                self.record
+                    .push(now, EntryKind::Reset, false, group, Some(pod), None, msg);
+            }
+            other => {
+                let why = match &other {
+                    ResetReply::Refused {
+                        status,
+                        reason,
+                        message,
+                    } => format!("answered {status} {reason}: {message}"),
+                    ResetReply::Failed(e) => e.clone(),
+                    ResetReply::Ready { .. } => unreachable!("matched above"),
+                };
+                let msg = format!(
+                    "{} {pod} did not reset to incarnation {to}: {why}",
+                    m.role.as_str()
+                );
+                self.record
+                    .push(now, EntryKind::Failed, true, group, Some(pod), None, msg);
+            }
+        }
+        true
     }
 
     /// Stop every running member of `role` as a planned delete would (shutdown).
@@ -640,6 +770,11 @@ impl<P: Processes> Executor for LocalExecutor<P> {
         Ok(())
     }
 
+    async fn reset_member(&mut self, r: &MemberReset<'_>, now: Timestamp) -> Result<(), String> {
+        self.reset(r, now);
+        Ok(())
+    }
+
     async fn set_group_ready_gate(
         &mut self,
         pod: &str,
@@ -679,5 +814,7 @@ impl<P: Processes> Executor for LocalExecutor<P> {
     }
 }
 
+#[cfg(test)]
+mod reset_tests;
 #[cfg(test)]
 mod tests;

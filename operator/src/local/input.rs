@@ -4,6 +4,7 @@
 
 use super::manifest::Manifest;
 use super::member::ProbeOutcome;
+use crate::reset_call::ResetReply;
 
 /// What the runtime's task is told.
 #[derive(Debug)]
@@ -16,6 +17,12 @@ pub enum Input {
     Probe {
         pod: String,
         outcome: ProbeOutcome,
+    },
+    /// The answer of an in-place reset call to a member.
+    Reset {
+        pod: String,
+        to_incarnation: i64,
+        reply: ResetReply,
     },
     /// The manifest file changed: its new content, checked.
     Manifest(Result<Box<Manifest>, String>),

@@ -161,6 +161,10 @@ pub struct Member {
     /// In the router (the readiness gate is open).
     pub gate: bool,
     pub log: PathBuf,
+    /// The incarnation an in-place reset call in flight asks for.
+    pub resetting: Option<i64>,
+    /// In-place resets this process has completed (its weights were kept each time).
+    pub resets: u32,
 }
 
 fn role_str<S: serde::Serializer>(r: &Role, s: S) -> Result<S::Ok, S::Error> {
@@ -207,6 +211,7 @@ impl Member {
             name: self.name.clone(),
             group: self.group,
             role: self.role,
+            index: self.index,
             revision: self.revision.clone(),
             incarnation: self.incarnation,
             phase,
@@ -286,6 +291,8 @@ mod tests {
             startup_failure: None,
             gate: false,
             log: PathBuf::from("/dev/null"),
+            resetting: None,
+            resets: 0,
         }
     }
 

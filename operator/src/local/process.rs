@@ -27,7 +27,7 @@ use tokio::process::{Child, Command};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio::task::AbortHandle;
 
-use super::executor::{Launch, Processes};
+use super::executor::{Launch, Processes, ResetCall};
 use super::input::Input;
 use super::probe;
 
@@ -129,6 +129,26 @@ impl Processes for LocalProcesses {
         if let Some(h) = self.children.get(pod) {
             let _ = h.signals.send(signal);
         }
+    }
+
+    fn reset(&mut self, call: &ResetCall) {
+        let call = call.clone();
+        let events = self.events.clone();
+        tokio::spawn(async move {
+            let reply = crate::reset_call::call(
+                call.http,
+                call.role,
+                call.to_incarnation,
+                &call.key,
+                call.timeout,
+            )
+            .await;
+            let _ = events.send(Input::Reset {
+                pod: call.pod,
+                to_incarnation: call.to_incarnation,
+                reply,
+            });
+        });
     }
 }
 

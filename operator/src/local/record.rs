@@ -32,6 +32,10 @@ pub enum EntryKind {
     Spec,
     /// An action could not be carried out.
     Failed,
+    /// An in-place reset call was made to a member.
+    Resetting,
+    /// A member answered that it serves its new incarnation (reset in place).
+    Reset,
 }
 
 /// One line of the runtime's record: the observable history of what it did, in order.

@@ -152,6 +152,14 @@ impl Runtime {
                 true
             }
             Input::Probe { pod, outcome } => self.exec.on_probe(&pod, outcome, now),
+            Input::Reset {
+                pod,
+                to_incarnation,
+                reply,
+            } => {
+                self.metrics.reset_call(reply.outcome());
+                self.exec.on_reset(&pod, to_incarnation, reply, now)
+            }
             Input::Manifest(m) => {
                 self.apply_manifest(m, now);
                 true

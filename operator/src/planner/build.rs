@@ -125,11 +125,10 @@ pub(super) fn build_group(
     let want_prefill = template.prefill.replicas.max(1);
     let want_decode = template.decode.replicas.max(1);
 
+    // Members are matched by role and index, not by name: one that reset in place keeps
+    // the name of the incarnation it was created at.
     for i in 0..want_prefill {
-        if !prefill
-            .iter()
-            .any(|p| p.name == pod_name(name, g, mem.incarnation, Role::Prefill, i))
-        {
+        if !prefill.iter().any(|p| p.index == i) {
             created_prefill |= create(ctx, Role::Prefill, i);
         }
     }
@@ -137,10 +136,7 @@ pub(super) fn build_group(
     let prefill_ready = prefill.len() as i32 == want_prefill && prefill.iter().all(healthy);
     if prefill_ready {
         for i in 0..want_decode {
-            if !decode
-                .iter()
-                .any(|p| p.name == pod_name(name, g, mem.incarnation, Role::Decode, i))
-            {
+            if !decode.iter().any(|p| p.index == i) {
                 created_decode |= create(ctx, Role::Decode, i);
             }
         }

@@ -54,6 +54,8 @@ pub(super) fn scale_down_group(
         );
     }
     mem.phase = GroupPhase::ScalingDown;
+    // An in-place reset in progress ends: the group's pods go.
+    mem.reset = None;
     mem.bootstrap_healthy = false;
     mem.decode_not_ready = None;
     close_gates(ctx, pods);
@@ -246,7 +248,8 @@ pub(super) fn find_trigger(
     mem: &GroupStatus,
     pods: &[&ObservedPod],
 ) -> Option<Trigger> {
-    if mem.incarnation == 0 || mem.phase == GroupPhase::Restarting {
+    if mem.incarnation == 0 || mem.phase == GroupPhase::Restarting || mem.reset.is_some() {
+        // A co-restart in progress handles its own faults (an in-place reset falls back).
         return None;
     }
     let input = ctx.input;
@@ -301,7 +304,11 @@ pub(super) fn find_trigger(
         });
     }
     let window = Duration::from_secs(input.spec.health.co_restart_after_seconds.max(1) as u64);
-    let group_was_ready = mem.ready_since.is_some();
+    // A group whose members completed an in-place reset was ready as they answered it (they
+    // said so): a decode that fails again before the kubelet saw it ready counts as wedged
+    // (the next co-restart then recreates the pods).
+    let reset_done = mem.last_co_restart.as_ref().is_some_and(|r| r.in_place);
+    let group_was_ready = mem.ready_since.is_some() || reset_done;
     let decode_exists = current.iter().any(|p| p.role == Role::Decode);
     for p in &current {
         // A prefill was Ready if decode pods were created for it; a decode was Ready if
@@ -366,7 +373,7 @@ pub(super) fn step_group(
     }
 
     if let Some(t) = fire
-        && !co_restart(ctx, &mut mem, &t)
+        && !co_restart(ctx, &mut mem, pods, &t)
         && is_failure(t.reason)
     {
         // A broken group held back (backoff or policy None): stop its traffic, report,
@@ -377,6 +384,16 @@ pub(super) fn step_group(
         mem.bootstrap_healthy = false;
         note_phase(ctx, &mem, prev_phase);
         return mem;
+    }
+
+    // An in-place reset in progress (or begun just now).
+    if mem.reset.is_some() {
+        match super::reset::step(ctx, &mut mem, pods, prev_phase) {
+            super::reset::Step::Waiting => return mem,
+            // Done: every pod serves the new incarnation, build as usual. Fell back: every
+            // pod is stale, removed below.
+            super::reset::Step::Done | super::reset::Step::FellBack => {}
+        }
     }
 
     if mem.incarnation == 0 {
@@ -431,7 +448,12 @@ pub(super) fn step_group(
 }
 
 /// Start a co-restart unless policy or backoff hold it back. Returns true when started.
-fn co_restart(ctx: &mut Ctx<'_>, mem: &mut GroupStatus, t: &Trigger) -> bool {
+fn co_restart(
+    ctx: &mut Ctx<'_>,
+    mem: &mut GroupStatus,
+    pods: &[&ObservedPod],
+    t: &Trigger,
+) -> bool {
     let g = mem.index;
     let now = ctx.input.now;
     if ctx.policy() == RestartPolicy::None {
@@ -464,12 +486,17 @@ fn co_restart(ctx: &mut Ctx<'_>, mem: &mut GroupStatus, t: &Trigger) -> bool {
     } else {
         EventKind::Normal
     };
+    let not_in_place = super::reset::refusal(ctx, mem, pods, t);
+    let how = match &not_in_place {
+        None => "in place (the members reset without exiting, prefill first)".to_string(),
+        Some(why) => format!("by recreating the pods ({why})"),
+    };
     ctx.event(
         type_,
         EventReason::CoRestart(t.reason),
         g,
         format!(
-            "group {g} co-restart: incarnation {old} → {new}, revision {rev}: {}",
+            "group {g} co-restart {how}: incarnation {old} → {new}, revision {rev}: {}",
             t.detail
         ),
     );
@@ -478,6 +505,7 @@ fn co_restart(ctx: &mut Ctx<'_>, mem: &mut GroupStatus, t: &Trigger) -> bool {
         reason: t.reason,
         old_incarnation: old,
         new_incarnation: new,
+        in_place: not_in_place.is_none(),
     });
     if is_failure(t.reason) {
         mem.backoff_streak += 1;
@@ -488,12 +516,18 @@ fn co_restart(ctx: &mut Ctx<'_>, mem: &mut GroupStatus, t: &Trigger) -> bool {
         );
         mem.next_restart_after = Some(Time(add(now, delay)));
     }
+    mem.co_restarts += 1;
+    if not_in_place.is_none() {
+        ctx.resets.push((g, super::reset::ResetOutcome::Started));
+        super::reset::begin(ctx, mem, t, new);
+        return true;
+    }
     mem.incarnation = new;
     mem.revision = rev;
-    mem.co_restarts += 1;
     mem.last_co_restart = Some(CoRestartRecord {
         time: Time(now),
         reason: t.reason,
+        in_place: false,
     });
     mem.phase = GroupPhase::Restarting;
     mem.since = Some(Time(now));

@@ -4,6 +4,7 @@
 //! - I2 no decode pod is created while a prefill pod of its incarnation is not Ready;
 //! - I3 planned restarts never take more than `maxUnavailableGroups` groups down;
 //! - I5 with `restart.policy: None` no pod is deleted except by a scale-down;
+//! - I7 an in-place reset asks only live members, prefill first;
 //! - I6 a delete for a rollout, a restart request or a scale-down, and of a member that is
 //!   ready, keeps the full grace; a failure co-restart removes a member that has exited or
 //!   whose node is lost with `health.unresponsiveGraceSeconds`;
@@ -42,6 +43,10 @@ enum Ev {
     Pause(bool),
     Partition(i32),
     StatusLost,
+    /// A decode says its channel is at fault (a reset heals that).
+    ChannelFault(usize),
+    /// The pod will not complete an in-place reset asked of it.
+    ResetWedged(usize),
 }
 
 fn event() -> impl Strategy<Value = Ev> {
@@ -63,6 +68,8 @@ fn event() -> impl Strategy<Value = Ev> {
         1 => any::<bool>().prop_map(Ev::Pause),
         1 => (0i32..3).prop_map(Ev::Partition),
         1 => Just(Ev::StatusLost),
+        2 => any::<usize>().prop_map(Ev::ChannelFault),
+        1 => any::<usize>().prop_map(Ev::ResetWedged),
     ]
 }
 
@@ -117,6 +124,18 @@ fn run(sim: &mut Sim, events: &[Ev]) {
             Ev::Pause(p) => sim.spec.rollout.paused = p,
             Ev::Partition(p) => sim.spec.rollout.partition = p,
             Ev::StatusLost => sim.status = None,
+            Ev::ChannelFault(i) => {
+                if let Some(n) = pick(sim, i)
+                    && sim.pods[&n].role == Role::Decode
+                {
+                    sim.report(&n, "peer_restarted", "the prefill came back");
+                }
+            }
+            Ev::ResetWedged(i) => {
+                if let Some(n) = pick(sim, i) {
+                    sim.reset_refused.insert(n);
+                }
+            }
         }
     }
 }

@@ -25,6 +25,9 @@ pub struct Sim {
     /// Groups brought down by a planned restart and not Ready again yet (invariant I3).
     pub rolling: BTreeSet<i32>,
     pub last_plan: Option<Plan>,
+    /// Pods that do not complete an in-place reset asked of them (a wedged member, or one
+    /// its executor cannot reach); every other member resets at once and is ready.
+    pub reset_refused: BTreeSet<String>,
 }
 
 impl Sim {
@@ -40,6 +43,7 @@ impl Sim {
             history: Vec::new(),
             rolling: BTreeSet::new(),
             last_plan: None,
+            reset_refused: BTreeSet::new(),
         }
     }
 
@@ -125,6 +129,7 @@ impl Sim {
                         name: intent.name.clone(),
                         group: intent.group,
                         role: intent.role,
+                        index: intent.index,
                         revision: intent.revision.clone(),
                         incarnation: intent.incarnation,
                         phase: PodPhase::Pending,
@@ -174,6 +179,22 @@ impl Sim {
                     "{name} force-deleted before its grace period and the margin ran out"
                 );
             }
+            PlannedAction::ResetMember {
+                name,
+                to_incarnation,
+                ..
+            } => {
+                // Like an executor whose call the member answered "ready at the new
+                // incarnation": the label moves on, and the member is ready there.
+                if !self.reset_refused.contains(name)
+                    && let Some(p) = self.pods.get_mut(name)
+                {
+                    p.incarnation = *to_incarnation;
+                    p.ready = true;
+                    p.not_ready_since = None;
+                    p.ready_detail = None;
+                }
+            }
             PlannedAction::SetGroupReadyGate { pod, ready } => {
                 if let Some(p) = self.pods.get_mut(pod) {
                     // Like the controller's patch: the condition's transition time.
@@ -201,6 +222,45 @@ impl Sim {
         match a {
             // I2: a decode pod is created only when every prefill pod of its incarnation
             // exists, runs and is Ready.
+            // I7: an in-place reset asks only a live member, prefill first: a decode only
+            // once every prefill of its group serves the new incarnation and is ready.
+            PlannedAction::ResetMember {
+                name,
+                group,
+                role,
+                from_incarnation,
+                to_incarnation,
+                ..
+            } => {
+                let pod = self
+                    .pods
+                    .get(name)
+                    .unwrap_or_else(|| panic!("I7: reset of unknown pod {name}"));
+                assert!(
+                    pod.phase == PodPhase::Running && !pod.terminating && !pod.node_lost,
+                    "I7: reset of {name}, which is not a live member: {pod:?}"
+                );
+                assert!(
+                    pod.incarnation == *from_incarnation && from_incarnation < to_incarnation,
+                    "I7: reset of {name} from {from_incarnation} to {to_incarnation}, pod at {}",
+                    pod.incarnation
+                );
+                if *role == Role::Decode {
+                    for p in self
+                        .pods
+                        .values()
+                        .filter(|p| p.group == *group && p.role == Role::Prefill)
+                    {
+                        assert!(
+                            p.incarnation == *to_incarnation && p.ready,
+                            "I7: decode {name} reset to {to_incarnation} before prefill {} (incarnation {}, ready {})",
+                            p.name,
+                            p.incarnation,
+                            p.ready
+                        );
+                    }
+                }
+            }
             PlannedAction::CreatePod(intent) if intent.role == Role::Decode => {
                 let prefill: Vec<_> = self
                     .pods
@@ -296,17 +356,44 @@ impl Sim {
     /// Invariants over the whole cluster after a reconcile.
     fn check_after(&self) {
         // I1: a decode pod never coexists with a prefill pod of another incarnation in
-        // its group (terminating pods included: they may still be serving).
+        // its group (terminating pods included: they may still be serving) — but during
+        // an in-place reset, where the prefill is ahead (prefill first), the group is
+        // `Resetting` between exactly those two incarnations and the decode's gate is
+        // closed (it takes no traffic; the prefill refuses its old incarnation anyway); or
+        // after such a reset fell back, while both are being removed (`Restarting` at a
+        // newer incarnation than either) or its group is scaled away.
         for d in self.pods.values().filter(|p| p.role == Role::Decode) {
             for p in self
                 .pods
                 .values()
                 .filter(|p| p.role == Role::Prefill && p.group == d.group)
             {
-                assert_eq!(
-                    d.incarnation, p.incarnation,
-                    "I1: decode {} (incarnation {}) beside prefill {} (incarnation {})",
-                    d.name, d.incarnation, p.name, p.incarnation
+                if d.incarnation == p.incarnation {
+                    continue;
+                }
+                let g = self
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.group_statuses.iter().find(|g| g.index == d.group));
+                let resetting = g.is_some_and(|g| {
+                    (g.phase == GroupPhase::Resetting
+                        && g.reset
+                            .as_ref()
+                            .is_some_and(|r| r.from_incarnation == d.incarnation)
+                        && g.incarnation == p.incarnation)
+                        || (g.phase == GroupPhase::Restarting
+                            && g.incarnation > d.incarnation.max(p.incarnation))
+                        || g.phase == GroupPhase::ScalingDown
+                });
+                assert!(
+                    resetting && !d.group_ready_gate,
+                    "I1: decode {} (incarnation {}, gate {}) beside prefill {} (incarnation {}), group {:?}",
+                    d.name,
+                    d.incarnation,
+                    d.group_ready_gate,
+                    p.name,
+                    p.incarnation,
+                    g.map(|g| (g.phase, g.incarnation, g.reset.clone()))
                 );
             }
         }

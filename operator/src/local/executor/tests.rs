@@ -9,12 +9,13 @@ use crate::reasons::EventReason;
 use crate::testutil::spec;
 
 #[derive(Default)]
-struct Fake {
+pub(super) struct Fake {
     next_port: u16,
     next_pid: u32,
-    spawned: Vec<Launch>,
-    signals: Vec<(String, Signal)>,
+    pub(super) spawned: Vec<Launch>,
+    pub(super) signals: Vec<(String, Signal)>,
     fail_spawn: bool,
+    pub(super) resets: Vec<ResetCall>,
 }
 
 impl Processes for Fake {
@@ -37,13 +38,16 @@ impl Processes for Fake {
     fn signal(&mut self, pod: &str, signal: Signal) {
         self.signals.push((pod.to_string(), signal));
     }
+    fn reset(&mut self, call: &ResetCall) {
+        self.resets.push(call.clone());
+    }
 }
 
-fn t(s: i64) -> Timestamp {
+pub(super) fn t(s: i64) -> Timestamp {
     Timestamp::from_second(1_800_000_000 + s).unwrap()
 }
 
-fn executor() -> LocalExecutor<Fake> {
+pub(super) fn executor() -> LocalExecutor<Fake> {
     LocalExecutor::new(
         ExecutorConfig {
             deployment: "demo".into(),
