@@ -13,7 +13,7 @@ export IMAGE_REGISTRY ?= ghcr.io/tandem
 
 .PHONY: test lint module-cycles unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check cuda-sim gpu-test \
 	kernel-fixtures kernel-fixtures-check \
-	bench bench-pd bench-local bench-vs-llamacpp bench-prefix llama-server llama-reference faults helm manifests chart-check static images image-check e2e e2e-deps
+	bench bench-pd bench-local bench-recovery bench-vs-llamacpp bench-prefix llama-server llama-reference faults helm manifests chart-check static images image-check e2e e2e-deps
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
 ## the Helm chart and manifests, the images (built without a daemon), the end-to-end suite
@@ -181,6 +181,15 @@ bench-local: model
 	cat /proc/loadavg
 	python3 scripts/bench_local_recovery.py --reps 3
 	cat /proc/loadavg
+
+## bench-recovery: the recovery table (BENCHMARKS.md "Recovery"): every fault of issue 22
+## (SIGKILL and SIGSTOP of either member, a stalled KV loop, an incarnation fault, an engine
+## making no progress, a dropped KV port) on the local runtime with one group and with two,
+## under a request every 0.1 s: time until refused, longest wait, time until served again,
+## requests failed, weights reloaded; draws docs/recovery-timeline.svg. Release build.
+bench-recovery: model pyenv
+	cargo build --release -p tandem-operator -p tandem-dataplane --bin tandem-operator --bin tandem-dataplane
+	$(PYTHON) scripts/bench_recovery.py $(BENCH_ARGS)
 
 ## bench-vs-llamacpp: Tandem (--role both --max-batch 32) side by side with llama.cpp's
 ## llama-server (-np 32, continuous batching), same model, prompts and threads, the two
