@@ -305,6 +305,12 @@ def measure(rt, fault, max_s=120.0):
     }
 
 
+def served_after_decision(r):
+    if r["served_again"] is None or r["decided_after"] is None:
+        return None
+    return r["served_again"] - r["decided_after"]
+
+
 def fmt(x, unit="s"):
     return "–" if x is None else f"{x:.2f} {unit}"
 
@@ -321,7 +327,8 @@ def targets(r, health):
         out.append((f"served again ≤ {window + 5} s",
                      r["served_again"] is not None and r["served_again"] <= window + 5))
     if f in SESSION:
-        out.append(("reset ≤ 1 s", r["reset_took"] is not None and r["reset_took"] <= 1.0))
+        after = served_after_decision(r)
+        out.append(("served again ≤ 1 s after the decision", after is not None and after <= 1.0))
         out.append(("weights kept", not r["reloaded"]))
     return ", ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in out) or "–"
 
@@ -425,14 +432,15 @@ def main():
                 svg(r, args.svg, f"{fault.replace('_', ' ')}, {groups} group(s), local runtime, SmolLM2")
     print(open("/proc/loadavg").read().strip(), "(load after)")
     print()
-    print("| groups | fault | refused after | longest wait | served again | failed | weights reloaded | co-restart decided | in-place reset | targets |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| groups | fault | refused after | longest wait | served again | failed | weights reloaded | co-restart decided | served again after the decision | in-place reset | targets |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     health = yaml.safe_load(open(MANIFEST))["spec"]["health"]
     for r in rows:
         print(f"| {r['groups']} | {r['fault']} | {fmt(r['refused_after'])} | {fmt(r['longest_wait'])} | "
               f"{fmt(r['served_again'])} | {r['failed']} of {r['requests']} | "
               f"{'yes' if r['reloaded'] else 'no'} | {fmt(r['decided_after'])}"
-              f"{' (in place)' if r['in_place'] else ''} | {fmt(r['reset_took'])} | "
+              f"{' (in place)' if r['in_place'] else ''} | {fmt(served_after_decision(r))} | "
+              f"{fmt(r['reset_took'])} | "
               f"{targets(r, health) if r['groups'] == 1 else '–'} |")
 
 

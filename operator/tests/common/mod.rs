@@ -63,3 +63,4 @@ pub fn dataplane() -> PathBuf {
     }
     bin
 }
+pub mod local;
