@@ -4,7 +4,7 @@
 //! Add context where an error crosses a boundary that knows more than the failing call
 //! (which file, which device, which peer) with [`Context::context`]:
 //!
-//! ```ignore
+//! ```text
 //! runner.import_kv(seq, &payload).context(format!("room {room}: importing KV"))?;
 //! ```
 //!
