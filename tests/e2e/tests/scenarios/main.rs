@@ -35,6 +35,7 @@ mod s16_oom_killed;
 mod s17_placement;
 mod s18_helm_upgrade;
 mod s19_helm_uninstall;
+mod s20_in_place;
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -127,6 +128,9 @@ const SCENARIOS: &[Scenario] = &[
     ),
     ("s13_partition", Lane::Main, Duration::from_secs(240), |e| {
         Box::pin(s13_partition::run(e))
+    }),
+    ("s20_in_place", Lane::Main, Duration::from_secs(240), |e| {
+        Box::pin(s20_in_place::run(e))
     }),
     ("s14_sigterm", Lane::Main, Duration::from_secs(300), |e| {
         Box::pin(s14_sigterm::run(e))
