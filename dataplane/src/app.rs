@@ -12,10 +12,11 @@ use crate::gguf::Gguf;
 use crate::kv::auth::GroupKey;
 use crate::metrics::Metrics;
 use crate::model::{CpuModelRunner, KvCacheConfig, RunnerConfig};
-use crate::pd::PdRole;
+use crate::pd::{PdSlot, PdStarter};
 use crate::server::AppState;
 use crate::tokenizer::{self, TokenText, Tokenizer};
 use crate::{Error, Result};
+use tandem_contract::MemberRole;
 
 pub struct App {
     pub state: Arc<AppState>,
@@ -124,46 +125,32 @@ pub fn build(cfg: &Config) -> Result<App> {
     })
 }
 
-/// Start the KV channel of a PD role (none for `both`).
+/// Start the KV channel of a PD role (none for `both`), in the slot an in-place reset
+/// replaces it in.
 fn start_pd(
     cfg: &Config,
     info: &crate::engine_api::ModelInfo,
     kv_dtype: u32,
     engine: &crate::scheduler::EngineHandle,
     metrics: &Arc<Metrics>,
-) -> Result<Option<PdRole>> {
-    // A fresh random incarnation per process start: a peer that sees it change knows this
-    // is another process and forgets everything about the old one.
-    let incarnation = crate::pd::random_id();
-    let local = crate::pd::local_identity(info, kv_dtype, incarnation, cfg.kv.group_incarnation);
-    let key = GroupKey::new(cfg.kv.group_key.as_bytes());
-    let t = cfg.pd_timings();
-    tracing::info!(
-        role = cfg.role.as_str(),
-        incarnation = format!("{incarnation:016x}"),
-        group_incarnation = cfg.kv.group_incarnation,
-        "process incarnation"
-    );
-    let channel = crate::pd::ChannelConfig {
-        local,
-        key,
-        timings: t,
-        limits: cfg.pd_limits(),
+) -> Result<Option<PdSlot>> {
+    let role = match cfg.role {
+        Role::Both => return Ok(None),
+        Role::Prefill => MemberRole::Prefill,
+        Role::Decode => MemberRole::Decode,
     };
-    Ok(match cfg.role {
-        Role::Both => None,
-        Role::Prefill => Some(PdRole::Prefill(crate::pd::prefill::start(
-            &cfg.http.host,
-            cfg.kv.kv_port,
-            channel,
-            engine.clone(),
-            metrics.clone(),
-        )?)),
-        Role::Decode => Some(PdRole::Decode(crate::pd::decode::start(
-            &cfg.kv.prefill_peers,
-            channel,
-            info,
-            metrics.clone(),
-        )?)),
-    })
+    let starter = PdStarter {
+        role,
+        host: cfg.http.host.clone(),
+        kv_port: cfg.kv.kv_port,
+        prefill_peers: cfg.kv.prefill_peers.clone(),
+        info: info.clone(),
+        kv_dtype,
+        key: GroupKey::new(cfg.kv.group_key.as_bytes()),
+        timings: cfg.pd_timings(),
+        limits: cfg.pd_limits(),
+        engine: engine.clone(),
+        metrics: metrics.clone(),
+    };
+    PdSlot::start(starter, cfg.kv.group_incarnation).map(Some)
 }

@@ -33,6 +33,7 @@ label!(ResultLabels, result);
 label!(LoopLabels, r#loop);
 label!(PeerLabels, peer);
 label!(DirectionLabels, direction);
+label!(OutcomeLabels, outcome);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RoomLabels {
@@ -200,6 +201,7 @@ impl KvMetrics {
             ("aborted", "client_abort"),
             ("aborted", "abort_ack_timeout"),
             ("aborted", "shutdown"),
+            ("aborted", "reset"),
         ] {
             let _ = self.rooms.get_or_create(&RoomLabels {
                 state: state.into(),
@@ -377,6 +379,8 @@ pub struct Metrics {
     /// Times `/ready` found a member that was making progress stalled, by reason
     /// (`no_progress`): counted once per spell, when `/ready` first sees it.
     pub progress_stalls: Family<ReasonLabels, Counter>,
+    /// In-place reset calls (`POST /admin/reset`), by outcome (`pd::reset::Outcome`).
+    pub resets: Family<OutcomeLabels, Counter>,
 }
 
 impl Metrics {
@@ -473,6 +477,17 @@ impl Metrics {
         let _ = progress_stalls.get_or_create(&ReasonLabels {
             reason: "no_progress".into(),
         });
+        let resets = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "resets",
+            "In-place reset calls (POST /admin/reset), by outcome",
+            resets.clone(),
+        );
+        for o in crate::pd::reset::Outcome::ALL {
+            let _ = resets.get_or_create(&OutcomeLabels {
+                outcome: o.label().into(),
+            });
+        }
         let kv = KvMetrics::register(&mut registry);
         let prefix_cache = PrefixCacheMetrics::register(&mut registry);
         for reason in [
@@ -486,6 +501,7 @@ impl Metrics {
             "client_disconnected",
             "drain_deadline",
             "shutdown",
+            "reset",
             "accept_error",
         ] {
             let _ = failures.get_or_create(&ReasonLabels {
@@ -522,7 +538,16 @@ impl Metrics {
             kv_blocks_used,
             kv_blocks_free,
             progress_stalls,
+            resets,
         }
+    }
+
+    pub fn reset(&self, outcome: crate::pd::reset::Outcome) {
+        self.resets
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.label().to_owned(),
+            })
+            .inc();
     }
 
     pub fn fail(&self, reason: &str) {

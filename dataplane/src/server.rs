@@ -11,6 +11,7 @@ mod output;
 mod params;
 mod progress_check;
 mod ready;
+mod reset;
 mod routes;
 #[cfg(test)]
 mod test_server;
@@ -90,8 +91,9 @@ pub struct AppState {
     /// Where the process is in shutting down (readiness fails while draining; requests
     /// still in flight at the drain deadline end with a `shutdown` error).
     pub shutdown: Shutdown,
-    /// PD roles: the KV channel (readiness checks; the decode's room client).
-    pub pd: Option<crate::pd::PdRole>,
+    /// PD roles: the KV channel (readiness checks; the decode's room client), replaced by
+    /// an in-place reset (`POST /admin/reset`).
+    pub pd: Option<crate::pd::PdSlot>,
     /// `POST /debug/fault` exists (only with `--fault-injection` and
     /// `TANDEM_ALLOW_FAULT_INJECTION=yes`; see `pd::supervise`).
     pub fault_injection: bool,

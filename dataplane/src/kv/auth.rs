@@ -19,6 +19,21 @@ impl GroupKey {
     pub fn new(bytes: impl Into<Vec<u8>>) -> Self {
         Self(bytes.into())
     }
+
+    /// HMAC-SHA256 of `message` with this key (the proof of an in-place reset call).
+    pub fn sign_message(&self, message: &[u8]) -> [u8; 32] {
+        let mut m = HmacSha256::new_from_slice(&self.0).expect("HMAC takes any key length");
+        m.update(message);
+        m.finalize().into_bytes().into()
+    }
+
+    /// Whether `mac` is the HMAC-SHA256 of `message` with this key, compared in constant
+    /// time.
+    pub fn verify_message(&self, message: &[u8], mac: &[u8]) -> bool {
+        let mut m = HmacSha256::new_from_slice(&self.0).expect("HMAC takes any key length");
+        m.update(message);
+        m.verify_slice(mac).is_ok()
+    }
 }
 
 impl std::fmt::Debug for GroupKey {

@@ -161,7 +161,8 @@ impl DecodeSession {
             DecodeEvent::Open { room, req } => self.open(room, req, now),
             DecodeEvent::ClientGone { room } => self.client_gone(room, now),
             DecodeEvent::SendFailed { room, msg } => self.send_failed(room, msg, now),
-            DecodeEvent::Stop => self.stop(now),
+            DecodeEvent::Stop => self.stop(FailCode::Shutdown, now),
+            DecodeEvent::Reset => self.stop(FailCode::Reset, now),
             DecodeEvent::Panicked { message } => {
                 for id in self.rooms.ids() {
                     self.fail_room(id, FailCode::LoopPanic, &message, true);
@@ -455,6 +456,27 @@ impl DecodeSession {
                 }
             }
             Message::Progress { .. } => self.progress(h.room, now),
+            Message::Goodbye {
+                reason: FailCode::Reset,
+                text,
+            } => {
+                // The prefill resets in place: its rooms fail (`reset`, pushed next) and it
+                // is back in a moment, at a new group incarnation and with a new process
+                // incarnation. Not draining: handshake again shortly (the old socket closes
+                // within that; the new prefill refuses this decode as `incarnation_mismatch`
+                // until it is reset to the same group incarnation too).
+                self.note(DecodeNote::PeerLeaving {
+                    peer_incarnation: h.incarnation,
+                    reason: FailCode::Reset,
+                    text: text.clone(),
+                });
+                self.refused(
+                    FailCode::Reset.label(),
+                    format!("the prefill is resetting: {text}"),
+                    now,
+                );
+                self.retry(now + UNREACHABLE_RETRY);
+            }
             Message::Goodbye { reason, text } => {
                 self.note(DecodeNote::PeerLeaving {
                     peer_incarnation: h.incarnation,
@@ -620,14 +642,18 @@ impl DecodeSession {
         }
     }
 
-    /// The process is stopping: fail every room left (pushing FAILED for those the
-    /// prefill knows), say GOODBYE so the prefill drops this session at once, and make no
-    /// new attempt.
-    fn stop(&mut self, now: Instant) {
+    /// The process is stopping (`why`: `shutdown`) or resetting in place (`reset`): fail
+    /// every room left with `why` (pushing FAILED for those the prefill knows), say GOODBYE
+    /// so the prefill drops this session at once, and make no new attempt.
+    fn stop(&mut self, why: FailCode, now: Instant) {
         if self.stopped {
             return;
         }
         self.stopped = true;
+        let text = match why {
+            FailCode::Reset => "the decode is resetting in place to a new group incarnation",
+            _ => "the decode is shutting down",
+        };
         for id in self.rooms.ids() {
             if self
                 .rooms
@@ -638,20 +664,20 @@ impl DecodeSession {
                 self.out.push(DecodeEffect::RoomEnded {
                     room: id,
                     end: RoomEnd::Aborted {
-                        reason: "shutdown",
+                        reason: why.label(),
                         acked: false,
                     },
                 });
                 continue;
             }
-            self.fail_room(id, FailCode::Shutdown, "the decode is shutting down", true);
+            self.fail_room(id, why, text, true);
         }
         if self.established().is_some() {
             self.send(
                 0,
                 Message::Goodbye {
-                    reason: FailCode::Shutdown,
-                    text: "the decode is shutting down".into(),
+                    reason: why,
+                    text: text.into(),
                 },
             );
         }

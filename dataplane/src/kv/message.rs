@@ -131,6 +131,11 @@ codes!(
         // after a PING: the room fails at once (version 5). Pushed as FAILED, so a prefill
         // that was only paused drops the room when it reads it.
         PeerUnresponsive = 21 => "peer_unresponsive",
+        // The sender resets in place to a new group incarnation (version 6): its rooms end
+        // as at a shutdown, but the process stays and is back at once with a new
+        // incarnation, so the receiver handshakes again right away instead of waiting for
+        // a replacement.
+        Reset = 22 => "reset",
     }
 );
 

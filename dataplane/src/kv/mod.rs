@@ -66,6 +66,10 @@
 //!   `peer_shutdown`; rooms in flight still finish, and those left at the prefill's drain
 //!   deadline fail with FAILED(`shutdown`), which the decode counts as `peer_shutdown`. A
 //!   decode sends it when it stops: the prefill drops the session and its rooms at once.
+//!   With the code `reset` (version 6) the sender is resetting in place to a new group
+//!   incarnation (`pd::slot`): its rooms fail with FAILED(`reset`) right after, and it is
+//!   back within a moment with a new process incarnation; a decode hearing it from its
+//!   prefill handshakes again at once instead of treating the prefill as gone.
 //!
 //! - **PING / PONG** (decode → prefill → decode) every channel heartbeat (a quarter of
 //!   `--channel-deadline-ms`, at most a probe period) while a session is established; the
@@ -138,9 +142,10 @@ pub use timings::PdTimings;
 /// checksum is CRC-32C instead of the IEEE CRC-32; 3: PROGRESS, CREDIT and GOODBYE, REJECT
 /// reasons `shutting_down` and `peer_expired`, FAILED codes `peer_shutdown` and
 /// `send_budget`; 4: PREFILL carries the penalties, the `min_tokens` masking and the `cached`
-/// prefix, whose KV is not sent; 5: the FAILED code `peer_unresponsive`). A peer of another
-/// version is refused in the handshake with the reason.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// prefix, whose KV is not sent; 5: the FAILED code `peer_unresponsive`; 6: the FAILED and
+/// GOODBYE code `reset`). A peer of another version is refused in the handshake with the
+/// reason.
+pub const PROTOCOL_VERSION: u16 = 6;
 pub const MAGIC: &[u8; 4] = b"TKVP";
 pub const HEADER_LEN: usize = 36;
 /// Largest payload accepted (one KV chunk is at most [`chunks::MAX_CHUNK`]).

@@ -156,8 +156,9 @@ impl PrefillSession {
                 self.fail_room(room, FailCode::Overloaded, &message, now)
             }
             PrefillEvent::Streamed { room, sent, failed } => self.streamed(room, sent, failed, now),
-            PrefillEvent::Drain => self.begin_drain(),
-            PrefillEvent::Stop => self.stop(now),
+            PrefillEvent::Drain => self.begin_drain(FailCode::Shutdown),
+            PrefillEvent::Stop => self.stop(FailCode::Shutdown, now),
+            PrefillEvent::Reset => self.stop(FailCode::Reset, now),
             PrefillEvent::Panicked { message } => {
                 for id in self.rooms.ids() {
                     self.fail_room(id, FailCode::LoopPanic, &message, now);
@@ -492,8 +493,9 @@ impl PrefillSession {
     }
 
     /// Drain begins: every decode hears GOODBYE (it stops sending new rooms here); new
-    /// rooms and handshakes are refused from now on, rooms in flight go on.
-    fn begin_drain(&mut self) {
+    /// rooms and handshakes are refused from now on, rooms in flight go on. `why` is
+    /// `shutdown`, or `reset` for an in-place reset (which stops at once after).
+    fn begin_drain(&mut self, why: FailCode) {
         if self.draining {
             return;
         }
@@ -501,8 +503,8 @@ impl PrefillSession {
         let peers: Vec<PeerId> = self.sessions.keys().cloned().collect();
         for peer in &peers {
             let msg = Message::Goodbye {
-                reason: FailCode::Shutdown,
-                text: "this prefill is shutting down".into(),
+                reason: why,
+                text: ending_text(why).into(),
             };
             self.send(peer, 0, msg);
         }
@@ -512,20 +514,28 @@ impl PrefillSession {
         });
     }
 
-    /// Stop: every room left fails with `shutdown` (pushed to its decode, which counts it
-    /// as `peer_shutdown`).
-    fn stop(&mut self, now: Instant) {
+    /// Stop: every room left fails with `why` (pushed to its decode): `shutdown`, which the
+    /// decode counts as `peer_shutdown`, or `reset`, which it counts as such.
+    fn stop(&mut self, why: FailCode, now: Instant) {
         if self.stopped {
             return;
         }
         self.stopped = true;
-        self.begin_drain();
+        self.begin_drain(why);
         let ids = self.rooms.ids();
         for &id in &ids {
-            self.fail_room(id, FailCode::Shutdown, "this prefill is shutting down", now);
+            self.fail_room(id, why, ending_text(why), now);
         }
         self.note(PrefillNote::Stopped {
             rooms_failed: ids.len(),
         });
+    }
+}
+
+/// What a prefill that ends its rooms and sessions for `why` tells its decodes.
+fn ending_text(why: FailCode) -> &'static str {
+    match why {
+        FailCode::Reset => "this prefill is resetting in place to a new group incarnation",
+        _ => "this prefill is shutting down",
     }
 }

@@ -625,3 +625,63 @@ fn stop_ends_every_room_once_with_a_reason_and_says_goodbye() {
         "the prefill dropped the session on GOODBYE"
     );
 }
+
+#[test]
+fn a_reset_ends_every_room_with_reset_and_is_no_drain() {
+    let mut p = Pair::new();
+    p.establish();
+    p.open(1, 8);
+    p.open(2, 8);
+    p.settle();
+    // The prefill resets in place: GOODBYE `reset`, then FAILED `reset` for each room.
+    p.prefill_event(PrefillEvent::Reset);
+    p.settle();
+    let ends = decode_ends(&p);
+    assert!(
+        ends.contains(&(1, "reset")) && ends.contains(&(2, "reset")),
+        "{ends:?}"
+    );
+    assert_eq!(p.prefill.rooms_open(), 0);
+    assert!(
+        !p.decode.status().peer_draining,
+        "a reset prefill is back at once: not draining"
+    );
+    assert_eq!(refusal(&p).as_deref(), Some("reset"));
+    // It handshakes again shortly (not a probe period later).
+    let hellos = |p: &Pair| {
+        sent_by_decode(&p.decode_effects)
+            .iter()
+            .filter(|m| matches!(m, Message::Hello { .. }))
+            .count()
+    };
+    let before = hellos(&p);
+    p.advance(super::decode_session::UNREACHABLE_RETRY);
+    p.decode_event(DecodeEvent::Tick);
+    assert_eq!(hellos(&p), before + 1);
+
+    // A decode's reset: its rooms end with `reset`, FAILED pushed, GOODBYE `reset`.
+    let mut p = Pair::new();
+    p.establish();
+    p.open(3, 8);
+    p.settle();
+    p.decode_event(DecodeEvent::Reset);
+    assert!(decode_ends(&p).contains(&(3, "reset")));
+    let sent = sent_by_decode(&p.decode_effects);
+    assert!(sent.iter().any(|m| matches!(
+        m,
+        Message::Failed {
+            reason: FailCode::Reset,
+            ..
+        }
+    )));
+    assert!(matches!(
+        sent.last(),
+        Some(Message::Goodbye {
+            reason: FailCode::Reset,
+            ..
+        })
+    ));
+    p.settle();
+    assert_eq!(p.prefill.rooms_open(), 0);
+    assert_eq!(p.prefill.sessions(), 0);
+}

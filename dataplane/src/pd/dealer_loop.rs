@@ -434,6 +434,14 @@ impl DealerLoop {
             }
             DecodeNote::PeerLeaving {
                 peer_incarnation,
+                reason: FailCode::Reset,
+                text,
+            } => {
+                kv.peer_goodbye.inc();
+                tracing::warn!(%peer, peer_incarnation = %hex(peer_incarnation), reason = "reset", %text, "prefill is resetting in place; handshaking again");
+            }
+            DecodeNote::PeerLeaving {
+                peer_incarnation,
                 reason,
                 text,
             } => {
@@ -450,7 +458,14 @@ impl DealerLoop {
             DecodeNote::BytesReceived(n) => kv.bytes("received", n),
             DecodeNote::OverBudget => kv.send_failure("byte_budget"),
             DecodeNote::RoomIdCollision { room } => tracing::error!(room, "room id collision"),
-            DecodeNote::Stopped => tracing::info!(%peer, "KV loop stopped"),
+            DecodeNote::Stopped => {
+                let reason = if self.lifecycle.is_reset() {
+                    "reset"
+                } else {
+                    "shutdown"
+                };
+                tracing::info!(%peer, reason, "KV loop stopped")
+            }
         }
     }
 
@@ -497,7 +512,17 @@ impl DealerLoop {
             return;
         }
         self.stopped = true;
-        let effects = self.session.on(DecodeEvent::Stop, Instant::now());
+        let stop = if self.lifecycle.is_reset() {
+            DecodeEvent::Reset
+        } else {
+            DecodeEvent::Stop
+        };
+        let effects = self.session.on(stop, Instant::now());
+        let ended = effects
+            .iter()
+            .filter(|e| matches!(e, DecodeEffect::RoomEnded { .. }))
+            .count();
+        self.lifecycle.rooms_ended(ended);
         let said_goodbye = effects.iter().any(|e| {
             matches!(
                 e,

@@ -277,6 +277,36 @@ impl DecodeHandle {
         self.threads.join_until(deadline)
     }
 
+    /// As `stop`, for an in-place reset: the rooms end with `reset` (pushed to the
+    /// prefills), and every room asked for after it fails with `reset` at once.
+    pub fn stop_for_reset(&self, deadline: Instant) -> Vec<String> {
+        self.lifecycle.stop_for_reset();
+        self.stop(deadline)
+    }
+
+    /// Rooms the loops ended when they stopped.
+    pub fn rooms_ended(&self) -> usize {
+        self.lifecycle.rooms_ended_total()
+    }
+
+    /// Why a room cannot open (or was dropped) once the loops stop: `reset` for an in-place
+    /// reset, so the request says what happened rather than that a loop is gone.
+    fn stopped_failure(&self, otherwise: FailCode, message: &str) -> RoomFailure {
+        if self.lifecycle.is_reset() {
+            RoomFailure {
+                code: FailCode::Reset,
+                message: "the decode was reset in place to a new group incarnation while this \
+                          request waited for its KV"
+                    .into(),
+            }
+        } else {
+            RoomFailure {
+                code: otherwise,
+                message: message.into(),
+            }
+        }
+    }
+
     /// Run `prompt` on the least-loaded healthy prefill and wait until its KV went to
     /// `kv` (the engine's reserved sequence, which holds the first `cached` tokens from
     /// its prefix cache already: only the rest's KV is sent). Dropping the returned future
@@ -288,6 +318,9 @@ impl DecodeHandle {
         sampling: &SamplingParams,
         kv: tmpsc::Sender<ImportedKv>,
     ) -> Result<(), RoomFailure> {
+        if self.lifecycle.is_reset() {
+            return Err(self.stopped_failure(FailCode::NoPeer, ""));
+        }
         let start = self.rotate.fetch_add(1, Ordering::Relaxed);
         let loads: Vec<Option<usize>> = self
             .peers
@@ -326,17 +359,11 @@ impl DecodeHandle {
                 });
             }
             Err(TrySendError::Disconnected(_)) => {
-                return Err(RoomFailure {
-                    code: FailCode::LoopPanic,
-                    message: "KV loop is gone".into(),
-                });
+                return Err(self.stopped_failure(FailCode::LoopPanic, "KV loop is gone"));
             }
         }
         rx.recv().await.unwrap_or_else(|| {
-            Err(RoomFailure {
-                code: FailCode::LoopPanic,
-                message: "KV loop dropped the room".into(),
-            })
+            Err(self.stopped_failure(FailCode::LoopPanic, "KV loop dropped the room"))
         })
     }
 }

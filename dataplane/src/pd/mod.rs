@@ -5,9 +5,10 @@
 //! supervised (`supervise`) and share the ZeroMQ plumbing (`wire`). The protocol itself
 //! (codec, handshake, rooms) is `crate::kv`.
 //!
-//! Imports run one way: `PdRole` (here) → handle → loop → the leaves `report` (readiness
-//! checks and peer reports), `settings` (what a channel is started with), `supervise`,
-//! `wire`, and `crate::kv`. No module imports from one above it.
+//! Imports run one way: `slot` (the current channel, replaced by an in-place reset) →
+//! `PdRole` (here) → handle → loop → the leaves `report` (readiness checks and peer
+//! reports), `reset` (the pure parts of a reset), `settings` (what a channel is started
+//! with), `supervise`, `wire`, and `crate::kv`. No module imports from one above it.
 //!
 //! Threads: every socket is owned by exactly one loop thread (ZeroMQ sockets are not
 //! thread safe). The engine thread and the HTTP tasks talk to the loops only through
@@ -19,8 +20,10 @@ mod dealer_loop;
 pub mod decode;
 pub mod prefill;
 pub mod report;
+pub mod reset;
 mod router_loop;
 pub mod settings;
+pub mod slot;
 mod supervise;
 #[cfg(test)]
 mod tests;
@@ -34,6 +37,7 @@ pub use decode::DecodeHandle;
 pub use prefill::PrefillHandle;
 pub use report::{Check, PeerReport, Problem};
 pub use settings::{ChannelConfig, PdLimits, PdTimings, local_identity, random_id};
+pub use slot::{PdRun, PdSlot, PdStarter, ResetDone, ResetError};
 pub use supervise::{Fault, LoopHealth, supervise};
 
 /// The PD side of a process, for `/ready`, request routing and shutdown.
@@ -91,6 +95,22 @@ impl PdRole {
         match self {
             Self::Prefill(p) => p.stop(deadline),
             Self::Decode(d) => d.stop(deadline),
+        }
+    }
+
+    /// As `stop`, for an in-place reset (`slot`): rooms and sessions end with `reset`.
+    pub fn stop_for_reset(&self, deadline: Instant) -> Vec<String> {
+        match self {
+            Self::Prefill(p) => p.stop_for_reset(deadline),
+            Self::Decode(d) => d.stop_for_reset(deadline),
+        }
+    }
+
+    /// Rooms the loops ended when they stopped.
+    pub fn rooms_ended(&self) -> usize {
+        match self {
+            Self::Prefill(p) => p.rooms_ended(),
+            Self::Decode(d) => d.rooms_ended(),
         }
     }
 }

@@ -90,6 +90,35 @@ impl PrefillHandle {
         self.bound.store(false, Ordering::Relaxed);
         left
     }
+
+    /// As `stop`, for an in-place reset: the rooms and sessions end with `reset`. Once it
+    /// returned with no loop left, the port is free for the next ROUTER.
+    pub fn stop_for_reset(&self, deadline: Instant) -> Vec<String> {
+        self.lifecycle.stop_for_reset();
+        self.stop(deadline)
+    }
+
+    /// Rooms the loop ended when it stopped.
+    pub fn rooms_ended(&self) -> usize {
+        self.lifecycle.rooms_ended_total()
+    }
+}
+
+/// How long a start retries binding a port still held: after an in-place reset the old
+/// ROUTER's listener is closed by libzmq's I/O thread, normally before its loop's thread
+/// ends, but not by contract.
+const BIND_RETRY: Duration = Duration::from_secs(2);
+
+fn bind_retrying(sock: &zmq::Socket, endpoint: &str) -> zmq::Result<()> {
+    let until = Instant::now() + BIND_RETRY;
+    loop {
+        match sock.bind(endpoint) {
+            Err(zmq::Error::EADDRINUSE) if Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            r => return r,
+        }
+    }
 }
 
 /// Bind the ROUTER (failing the start when the port is taken) and start the loop.
@@ -116,7 +145,7 @@ pub fn start(
     // Sends to a peer that went away fail (and are counted) instead of vanishing.
     sock.set_router_mandatory(true).map_err(io)?;
     let endpoint = format!("tcp://{host}:{port}");
-    sock.bind(&endpoint).map_err(io)?;
+    bind_retrying(&sock, &endpoint).map_err(io)?;
     let bound = Arc::new(AtomicBool::new(true));
     let health = LoopHealth::new("kv_router");
     health.beat();

@@ -421,21 +421,34 @@ impl RouterLoop {
                 "draining: said goodbye to every decode; refusing new rooms"
             ),
             PrefillNote::Stopped { rooms_failed } => {
-                tracing::info!(rooms_failed, "KV loop stopped")
+                self.lifecycle.rooms_ended(rooms_failed);
+                let reason = if self.lifecycle.is_reset() {
+                    "reset"
+                } else {
+                    "shutdown"
+                };
+                tracing::info!(rooms_failed, reason, "KV loop stopped")
             }
         }
     }
 
     /// Stop: the session fails every room left (pushed to its decode, which counts it as
-    /// `peer_shutdown`); the connections stay a moment so that the decodes read it; the
-    /// socket closes with a bounded linger; returning from `run` drops the engine handle.
+    /// `peer_shutdown`, or `reset` for an in-place reset); the connections stay a moment so
+    /// that the decodes read it; the socket closes with a bounded linger; returning from
+    /// `run` drops the engine handle and the socket (the port is free once the loop's
+    /// thread has ended).
     fn shutdown(&mut self) {
         if self.stopped {
             return;
         }
         self.stopped = true;
         self.draining = true;
-        self.event(PrefillEvent::Stop);
+        let stop = if self.lifecycle.is_reset() {
+            PrefillEvent::Reset
+        } else {
+            PrefillEvent::Stop
+        };
+        self.event(stop);
         self.publish(Instant::now() + REPORT_EVERY);
         if self.session.sessions() > 0 {
             std::thread::sleep(wire::CLOSE_GRACE);

@@ -18,7 +18,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -37,7 +37,10 @@ pub enum Phase {
 /// Shared by a side's handle (which sets the phase) and its loops (which read it).
 #[derive(Debug, Default)]
 pub struct Lifecycle {
+    /// 0 run, 1 drain, 2 stop, 3 stop for an in-place reset (rooms end with `reset`).
     phase: AtomicU8,
+    /// Rooms the loops ended when they stopped (the in-place reset reports them).
+    rooms_ended: AtomicUsize,
 }
 
 impl Lifecycle {
@@ -56,8 +59,37 @@ impl Lifecycle {
             .compare_exchange(0, 1, Ordering::Relaxed, Ordering::Relaxed);
     }
 
+    /// Never changes a stop for a reset back into a plain one: the loops may have read it.
     pub fn stop(&self) {
-        self.phase.store(2, Ordering::Relaxed);
+        let _ = self
+            .phase
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |p| {
+                (p < 2).then_some(2)
+            });
+    }
+
+    /// Stop for an in-place reset: rooms end with `reset`, not `shutdown`.
+    pub fn stop_for_reset(&self) {
+        let _ = self
+            .phase
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |p| {
+                (p < 2).then_some(3)
+            });
+    }
+
+    /// Whether the stop asked for is an in-place reset.
+    pub fn is_reset(&self) -> bool {
+        self.phase.load(Ordering::Relaxed) == 3
+    }
+
+    /// A loop ended `n` rooms as it stopped.
+    pub fn rooms_ended(&self, n: usize) {
+        self.rooms_ended.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Rooms ended by the loops' stops so far.
+    pub fn rooms_ended_total(&self) -> usize {
+        self.rooms_ended.load(Ordering::Relaxed)
     }
 }
 

@@ -14,7 +14,7 @@ use super::fields::{self, Endpoint};
 use super::output::{Kind, Shape, logprobs_json};
 use super::params::{self, Common, Prompt};
 use super::{AppState, Body, json_response};
-use crate::pd::PdRole;
+use crate::pd::{PdRole, PdRun};
 use crate::sampling::limits;
 use crate::scheduler::{FailReason, GenEvent, GenerateRequest, KvImport, Transfer};
 
@@ -31,11 +31,46 @@ fn shutdown_error(state: &AppState) -> ApiError {
     )
 }
 
-/// The next engine event, or `Err` when the drain deadline passes first.
-async fn next_event(state: &AppState, rx: &mut Receiver<GenEvent>) -> R<Option<GenEvent>> {
+/// The decode's KV channel this request began on was reset away (an in-place reset of the
+/// group): the request ends with `reset` instead of going on for a group that restarted.
+fn reset_error(state: &AppState, run: &PdRun) -> ApiError {
+    state.metrics.fail("reset");
+    tracing::warn!(
+        reason = "reset",
+        group_incarnation = run.group_incarnation,
+        "request ended by an in-place reset"
+    );
+    ApiError::server(
+        http::StatusCode::SERVICE_UNAVAILABLE,
+        "reset",
+        format!(
+            "this decode was reset in place from group incarnation {} (its group co-restarted) \
+             while the request was in flight",
+            run.group_incarnation
+        ),
+    )
+}
+
+/// Resolves when `run` (the decode's KV channel a request began on) is reset away; never
+/// without one.
+async fn reset_away(run: Option<&PdRun>) {
+    match run {
+        Some(r) => r.reset_away().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The next engine event, or `Err` when the drain deadline passes or the request's KV
+/// channel is reset away first.
+async fn next_event(
+    state: &AppState,
+    run: Option<&PdRun>,
+    rx: &mut Receiver<GenEvent>,
+) -> R<Option<GenEvent>> {
     tokio::select! {
         ev = rx.recv() => Ok(ev),
         _ = state.shutdown.deadline() => Err(shutdown_error(state)),
+        _ = reset_away(run) => Err(reset_error(state, run.expect("only a run is reset away"))),
     }
 }
 
@@ -190,8 +225,18 @@ async fn generate(
     // them, or refusing a request that can never fit); only then does a room open on a
     // prefill, whose KV and first token go straight into the reserved sequence. Dropping
     // this future (client gone) aborts the room; the room frees the blocks when it ends.
-    let decode = match &state.pd {
-        Some(PdRole::Decode(d)) => Some(d),
+    // The run of the KV channel this request begins on: an in-place reset replaces it, and
+    // the request then ends with `reset`.
+    let run = state
+        .pd
+        .as_ref()
+        .map(|pd| pd.current())
+        .filter(|r| matches!(r.role, PdRole::Decode(_)));
+    let decode = match run.as_deref() {
+        Some(PdRun {
+            role: PdRole::Decode(d),
+            ..
+        }) => Some(d),
         _ => None,
     };
     let (transfer, kv_tx) = match decode {
@@ -213,7 +258,7 @@ async fn generate(
     let mut rx = state.engine.submit(req).map_err(ApiError::from_submit)?;
     // Wait for the first event before answering, so that failures before the first token
     // (queue timeout, request too large) get a proper HTTP status even when streaming.
-    let mut first = next_event(&state, &mut rx).await?;
+    let mut first = next_event(&state, run.as_deref(), &mut rx).await?;
     if let (Some(d), Some(kv_tx), Some((prompt, sampling))) = (decode, kv_tx, pd_prompt) {
         let cached = match first {
             Some(GenEvent::KvReserved { cached }) => cached,
@@ -231,6 +276,11 @@ async fn generate(
         let room = tokio::select! {
             r = d.prefill(&prompt, cached, &sampling, kv_tx) => r,
             _ = state.shutdown.deadline() => return Err(shutdown_error(&state)),
+            // The reset ends the room itself (with `reset`, pushed to the prefill) before it
+            // marks the run: this only ends a room whose loop did not stop in time.
+            _ = reset_away(run.as_deref()) => {
+                return Err(reset_error(&state, run.as_deref().expect("reset away")))
+            }
         };
         if let Err(f) = room {
             state.metrics.fail(FailReason::KvTransfer.label());
@@ -240,7 +290,7 @@ async fn generate(
                 f.message,
             ));
         }
-        first = next_event(&state, &mut rx).await?;
+        first = next_event(&state, run.as_deref(), &mut rx).await?;
     }
     if let Some(GenEvent::Failed { reason, message }) = first {
         return Err(ApiError::from_failure(reason, message));
@@ -250,6 +300,7 @@ async fn generate(
         let include_usage = c.include_usage;
         Ok(sse_response(Sse {
             state,
+            run,
             shape,
             rx,
             first,
@@ -259,12 +310,13 @@ async fn generate(
             text_len: 0,
         }))
     } else {
-        whole(state, shape, rx, first).await
+        whole(state, run, shape, rx, first).await
     }
 }
 
 async fn whole(
     state: Arc<AppState>,
+    run: Option<Arc<PdRun>>,
     shape: Shape,
     mut rx: Receiver<GenEvent>,
     first: Option<GenEvent>,
@@ -308,7 +360,7 @@ async fn whole(
                 ));
             }
         }
-        ev = next_event(&state, &mut rx).await?;
+        ev = next_event(&state, run.as_deref(), &mut rx).await?;
     }
 }
 
@@ -316,6 +368,8 @@ async fn whole(
 /// the engine sees as an abort.
 struct Sse {
     state: Arc<AppState>,
+    /// A decode's KV channel the request began on (it ends with `reset` when that is reset).
+    run: Option<Arc<PdRun>>,
     shape: Shape,
     rx: Receiver<GenEvent>,
     first: Option<GenEvent>,
@@ -400,12 +454,13 @@ fn sse_response(sse: Sse) -> http::Response<Body> {
             }
             let ev = match s.first.take() {
                 Some(e) => Ok(Some(e)),
-                None => next_event(&s.state, &mut s.rx).await,
+                None => next_event(&s.state, s.run.as_deref(), &mut s.rx).await,
             };
             let bytes = match ev {
                 Ok(ev) => s.render(ev),
                 Err(e) => {
-                    // The drain deadline: end the stream with the reason, then [DONE].
+                    // The drain deadline or a reset: end the stream with the reason, then
+                    // [DONE].
                     s.done = true;
                     format!("data: {}\n\ndata: [DONE]\n\n", e.body()).into_bytes()
                 }

@@ -58,8 +58,8 @@ pub fn ready_checks(state: &AppState) -> Vec<crate::pd::Check> {
 }
 
 /// The `/ready` body (format in docs/readiness.md): `ready`, and when not, the first
-/// failing check's `reason` and `message`; every check; every KV peer with its state and
-/// last refusal and failure.
+/// failing check's `reason` and `message`; the group incarnation; every check; every KV
+/// peer with its state and last refusal and failure.
 pub fn ready_body(state: &AppState) -> Value {
     let checks = ready_checks(state);
     let failing = checks.iter().find(|c| !c.ok);
@@ -72,6 +72,9 @@ pub fn ready_body(state: &AppState) -> Value {
         "format": READY_FORMAT,
         "ready": failing.is_none(),
         "role": state.role,
+        // The group incarnation the KV channel is at (an in-place reset moves it; `null`
+        // for `both`, which has no group).
+        "group_incarnation": state.pd.as_ref().map(|pd| pd.group_incarnation()),
         "reason": failing.map(|c| c.reason.clone()),
         "message": failing.map(|c| format!("{}: {}", c.name, c.detail)),
         "checks": checks

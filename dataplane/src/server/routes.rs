@@ -25,6 +25,8 @@ pub(super) enum Handler {
     Completions,
     /// Only with `--fault-injection` (and `TANDEM_ALLOW_FAULT_INJECTION=yes`).
     DebugFault,
+    /// Only for the roles prefill and decode (docs/in-place-reset.md).
+    Reset,
 }
 
 /// One path and method the server answers.
@@ -72,15 +74,21 @@ pub(super) const ROUTES: &[Route] = &[
         method: Method::POST,
         handler: Handler::DebugFault,
     },
+    Route {
+        path: tandem_contract::reset::PATH,
+        method: Method::POST,
+        handler: Handler::Reset,
+    },
 ];
 
 /// The routes of `path` that exist in this process (`/debug/fault` only with fault
-/// injection on).
+/// injection on, `/admin/reset` only for the PD roles).
 fn routes_of<'a>(state: &'a AppState, path: &'a str) -> impl Iterator<Item = &'static Route> + 'a {
     ROUTES
         .iter()
         .filter(move |r| r.path == path)
         .filter(|r| r.handler != Handler::DebugFault || state.fault_injection)
+        .filter(|r| r.handler != Handler::Reset || state.pd.is_some())
 }
 
 pub(super) async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
@@ -135,6 +143,7 @@ async fn handle(
         Handler::Metrics => Ok(metrics(state)),
         Handler::Models => Ok(models(state)),
         Handler::DebugFault => debug_fault(state, req.uri().query()),
+        Handler::Reset => super::reset::reset(state.clone(), req).await,
         Handler::ChatCompletions | Handler::Completions if state.shutdown.is_draining() => {
             Err(draining())
         }
@@ -147,7 +156,7 @@ async fn handle(
     }
 }
 
-async fn body(req: Request<Incoming>, max: usize) -> Result<Bytes, ApiError> {
+pub(super) async fn body(req: Request<Incoming>, max: usize) -> Result<Bytes, ApiError> {
     let too_large = || ApiError {
         status: StatusCode::PAYLOAD_TOO_LARGE,
         ..ApiError::invalid(None, format!("the request body exceeds {max} bytes"))
@@ -221,7 +230,11 @@ fn debug_fault(state: &AppState, query: Option<&str>) -> Result<Response<Body>, 
             ));
         }
     };
-    let loops = state.pd.as_ref().map(|pd| pd.loops()).unwrap_or_default();
+    let loops = state
+        .pd
+        .as_ref()
+        .map(|pd| pd.current().role.loops())
+        .unwrap_or_default();
     let Some(h) = loops.iter().find(|h| h.name == name) else {
         let names: Vec<&str> = loops.iter().map(|h| h.name.as_str()).collect();
         return Err(ApiError::invalid(

@@ -28,6 +28,9 @@ pub enum DecodeEvent<'a> {
     SendFailed { room: u64, msg: MsgType },
     /// The process stops: end every room, say goodbye.
     Stop,
+    /// The process resets in place to a new group incarnation: as `Stop`, with the reason
+    /// `reset` (FAILED and GOODBYE).
+    Reset,
     /// The loop panicked (and will run again): fail every room.
     Panicked { message: String },
 }

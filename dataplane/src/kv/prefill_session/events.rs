@@ -56,6 +56,9 @@ pub enum PrefillEvent<'a> {
     Drain,
     /// The process stops: every room left fails.
     Stop,
+    /// The process resets in place to a new group incarnation: as `Stop`, with the reason
+    /// `reset` (GOODBYE and FAILED), so the decodes handshake again at once.
+    Reset,
     /// The loop panicked (and will run again): fail every room.
     Panicked { message: String },
 }
