@@ -275,6 +275,9 @@ def routing_run(args, routing):
                                  args.max_tokens, args.seed)
         ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
         hits = rt.hit_rates()
+        m = metrics(f"127.0.0.1:{rt.port}")
+        keys_n = m.get("tandem_router_prompt_keys_seconds_count", 0.0)
+        keys_ms = 1000 * m.get("tandem_router_prompt_keys_seconds_sum", 0.0) / keys_n if keys_n else 0.0
         ideal = shared_fraction(results, shared)
         return {
             "routing": routing, "requests": len(results),
@@ -283,6 +286,7 @@ def routing_run(args, routing):
             "tok_s": sum(r["tokens"] for r in results) / wall,
             "hit_prefill": hits["prefill"], "hit_decode": hits["decode"], "hit_ideal": ideal,
             "of_ideal": hits["prefill"] / ideal if ideal else float("nan"),
+            "prompt_keys_ms": keys_ms,
         }
     finally:
         rt.stop()
@@ -345,12 +349,13 @@ def main():
             kills.append(r)
             print(json.dumps(r), flush=True)
     print()
-    print("| routing | requests | failed | TTFT p50 (s) | TTFT p99 (s) | tok/s | prefill hit | decode hit | ideal | of ideal |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| routing | requests | failed | TTFT p50 (s) | TTFT p99 (s) | tok/s | prefill hit | decode hit | ideal | of ideal | prompt keys (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in routing:
         print(f"| {r['routing']} | {r['requests']} | {r['failed']} | {r['ttft_p50']:.3f} | "
               f"{r['ttft_p99']:.3f} | {r['tok_s']:.1f} | {r['hit_prefill']:.1%} | "
-              f"{r['hit_decode']:.1%} | {r['hit_ideal']:.1%} | {r['of_ideal']:.0%} |")
+              f"{r['hit_decode']:.1%} | {r['hit_ideal']:.1%} | {r['of_ideal']:.0%} | "
+              f"{r['prompt_keys_ms']:.1f} |")
     if len(routing) == 2 and routing[1]["ttft_p50"] > 0:
         print(f"\nTTFT p50 round robin / router: {routing[0]['ttft_p50'] / routing[1]['ttft_p50']:.2f}x "
               f"(target >= 3x); router hit rate {routing[1]['of_ideal']:.0%} of ideal (target >= 80%)")
