@@ -13,7 +13,7 @@ export IMAGE_REGISTRY ?= ghcr.io/tandem
 
 .PHONY: test lint module-cycles unit crd-check validate-crd pyenv model fmt crds serve demo cuda-check cuda-sim gpu-test \
 	kernel-fixtures kernel-fixtures-check \
-	bench bench-pd bench-local bench-recovery bench-vs-llamacpp bench-prefix llama-server llama-reference faults helm manifests chart-check static images image-check e2e e2e-deps
+	bench bench-pd bench-local bench-recovery bench-router bench-vs-llamacpp bench-prefix llama-server llama-reference faults helm manifests chart-check static images image-check e2e e2e-deps
 
 ## test: everything CI checks (format, lints, generated files, unit + integration tests,
 ## the Helm chart and manifests, the images (built without a daemon), the end-to-end suite
@@ -190,6 +190,15 @@ bench-local: model
 bench-recovery: model pyenv
 	cargo build --release -p tandem-operator -p tandem-dataplane --bin tandem-operator --bin tandem-dataplane
 	$(PYTHON) scripts/bench_recovery.py $(BENCH_ARGS)
+## bench-router: the router on the local runtime: 4 groups, 64 shared ~400-token system
+## prompts at a steady rate; TTFT, tok/s and prefix hit rate with round robin vs the router,
+## then one group's decode SIGKILLed mid-run with and without the retry (release build; see
+## docs/routing.md). BENCH_ARGS passes options (--rate, --duration, --smoke, --json FILE).
+bench-router: model
+	cargo build --release -p tandem-operator -p tandem-dataplane --bin tandem-operator --bin tandem-dataplane
+	cat /proc/loadavg
+	python3 scripts/bench_router.py $(BENCH_ARGS)
+	cat /proc/loadavg
 
 ## bench-vs-llamacpp: Tandem (--role both --max-batch 32) side by side with llama.cpp's
 ## llama-server (-np 32, continuous batching), same model, prompts and threads, the two

@@ -18,6 +18,9 @@
 
 #![forbid(unsafe_code)]
 
+pub mod api_keys;
+pub mod routing;
+
 /// The variable that carries the group key (hex) into the dataplane.
 pub const GROUP_KEY_ENV: &str = "TANDEM_GROUP_KEY";
 

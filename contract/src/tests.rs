@@ -141,3 +141,71 @@ fn a_reset_proof_names_the_role_and_the_incarnation() {
     assert_ne!(p, reset::proof_message(MemberRole::Decode, 7));
     assert_ne!(p, reset::proof_message(MemberRole::Prefill, 8));
 }
+
+mod api_keys {
+    use crate::api_keys::{ApiKeys, Refusal};
+
+    #[test]
+    fn without_keys_everything_passes() {
+        let k = ApiKeys::none();
+        assert_eq!(k.check(None), Ok(()));
+        assert_eq!(k.check(Some(b"Bearer anything")), Ok(()));
+    }
+
+    #[test]
+    fn a_bearer_key_from_the_flag_or_the_file_passes_and_others_are_refused() {
+        let k = ApiKeys::from_parts(
+            Some("sk-flag"),
+            Some(("keys.txt", "# team keys\n\nsk-one\n  sk-two  \n")),
+        )
+        .unwrap();
+        assert_eq!(k.len(), 3);
+        for good in ["Bearer sk-flag", "bearer sk-one", "BEARER   sk-two"] {
+            assert_eq!(k.check(Some(good.as_bytes())), Ok(()), "{good}");
+        }
+        assert_eq!(k.check(None), Err(Refusal::Missing));
+        assert_eq!(k.check(Some(b"Basic c2stb25l")), Err(Refusal::NotBearer));
+        assert_eq!(k.check(Some(b"Bearer ")), Err(Refusal::NotBearer));
+        assert_eq!(k.check(Some(b"sk-one")), Err(Refusal::NotBearer));
+        for bad in [
+            "Bearer sk-on",
+            "Bearer sk-onee",
+            "Bearer sk-one2",
+            "Bearer SK-ONE",
+        ] {
+            assert_eq!(
+                k.check(Some(bad.as_bytes())),
+                Err(Refusal::Invalid),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_bad_key_or_an_empty_file_is_an_error_that_names_the_line_but_never_the_key() {
+        let e = ApiKeys::from_parts(None, Some(("k.txt", "ok-key\nbad key\n"))).unwrap_err();
+        assert!(e.0.contains("k.txt line 2"), "{e}");
+        assert!(!e.0.contains("bad key"), "{e}");
+        let e = ApiKeys::from_parts(None, Some(("k.txt", "# none\n"))).unwrap_err();
+        assert!(e.0.contains("no key"), "{e}");
+        assert!(ApiKeys::from_parts(Some(" "), None).is_err());
+        assert_eq!(
+            format!("{:?}", ApiKeys::from_parts(Some("secret"), None).unwrap()),
+            "ApiKeys(1 key(s))"
+        );
+    }
+
+    #[test]
+    fn the_refusal_bodies_are_openai_errors() {
+        for r in [Refusal::Missing, Refusal::NotBearer, Refusal::Invalid] {
+            assert!(!r.message().contains(['"', '\\']));
+            let b = r.body();
+            assert!(
+                b.starts_with(r#"{"error":{"message":""#)
+                    && b.contains(r#""type":"invalid_request_error""#)
+                    && b.ends_with(&format!(r#""code":"{}"}}}}"#, r.code())),
+                "{b}"
+            );
+        }
+    }
+}

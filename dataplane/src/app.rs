@@ -81,6 +81,14 @@ pub fn build(cfg: &Config) -> Result<App> {
         )));
     }
     let metrics = Arc::new(Metrics::new());
+    metrics.set_cache_config(info.kv_block_size, cfg.engine.kv_blocks);
+    let api_keys = cfg.api_keys()?;
+    if !api_keys.is_empty() {
+        tracing::info!(
+            keys = api_keys.len(),
+            "API keys required on /v1/* and /tandem/* (Authorization: Bearer)"
+        );
+    }
     let text: Arc<dyn TokenText> = tok.clone();
     let (engine, engine_thread) =
         crate::scheduler::spawn(runner, text, cfg.scheduler(), metrics.clone()).map_err(
@@ -118,6 +126,8 @@ pub fn build(cfg: &Config) -> Result<App> {
         fault_injection: cfg.fault_injection,
         no_progress: cfg.no_progress(),
         progress: Default::default(),
+        api_keys,
+        kv_block_tokens: info.kv_block_size,
     });
     Ok(App {
         state,

@@ -24,6 +24,7 @@ use std::time::Duration;
 use clap::{ArgAction, Args, Parser};
 use serde::Serialize;
 use serde_json::{Value, json};
+use tandem_contract::api_keys;
 use tandem_contract::settings as contract;
 use tandem_contract::{MemberRole, MemberSettings};
 use tandem_kernels::CpuOptions;
@@ -176,6 +177,20 @@ pub struct HttpFlags {
     /// Most headers in one request; more get 431.
     #[arg(long, env = "TANDEM_HTTP_MAX_HEADERS", default_value_t = 100, value_parser = at_least_one)]
     pub http_max_headers: usize,
+    /// A key clients must send as `Authorization: Bearer <key>` on `/v1/*` and `/tandem/*`
+    /// (401 without it); `/health`, `/ready` and `/metrics` stay open. Prefer the variable
+    /// or the file: a command line is visible to every user of the machine.
+    #[arg(long = api_keys::API_KEY.flag, env = api_keys::API_KEY.env, hide_env_values = true)]
+    #[serde(serialize_with = "redacted_key")]
+    pub api_key: Option<String>,
+    /// A file of keys accepted like `--api-key`: one a line, blank lines and `#` comments
+    /// skipped.
+    #[arg(long = api_keys::API_KEY_FILE.flag, env = api_keys::API_KEY_FILE.env)]
+    pub api_key_file: Option<PathBuf>,
+}
+
+fn redacted_key<S: serde::Serializer>(key: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+    redacted(key.as_deref().unwrap_or(""), s)
 }
 
 /// The KV transfer channel between a group's prefill and decode members.
@@ -374,6 +389,7 @@ impl Config {
         if let Some(t) = &self.model.chat_template {
             crate::chat::read_template_file(t)?;
         }
+        self.api_keys()?;
         check_model_file(&self.model.path)
     }
 
@@ -482,6 +498,19 @@ impl Config {
             max_header_bytes: h.http_max_header_bytes,
             max_headers: h.http_max_headers,
         }
+    }
+
+    /// The API keys of `--api-key` and `--api-key-file` (none: the API is open).
+    pub fn api_keys(&self) -> crate::Result<api_keys::ApiKeys> {
+        let h = &self.http;
+        api_keys::ApiKeys::load(h.api_key.as_deref(), h.api_key_file.as_deref()).map_err(|e| {
+            let flag = if h.api_key_file.is_some() {
+                format!("--{}", api_keys::API_KEY_FILE.flag)
+            } else {
+                format!("--{}", api_keys::API_KEY.flag)
+            };
+            crate::Error::config(flag, e.to_string())
+        })
     }
 
     pub fn drain(&self) -> Duration {

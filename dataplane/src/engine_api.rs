@@ -62,6 +62,14 @@ pub struct PrefixCacheCounters {
     pub evictions: u64,
 }
 
+/// The keys of the blocks a runner's prefix cache holds, at one version of it (see
+/// `model::prefix_cache`: chained FNV-1a keys of whole KV blocks).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrefixKeys {
+    pub version: u64,
+    pub keys: Vec<u64>,
+}
+
 /// A model runner: owns weights and the paged KV cache. Not shared between threads; the
 /// scheduler thread owns it.
 pub trait ModelRunner: Send {
@@ -117,6 +125,13 @@ pub trait ModelRunner: Send {
     fn free(&mut self, seq: SeqId);
 
     fn kv_usage(&self) -> KvUsage;
+
+    /// The prefix cache's keys when it changed since version `since`; `None` when it did
+    /// not, or there is no prefix cache (the default).
+    fn prefix_keys(&self, since: u64) -> Option<PrefixKeys> {
+        let _ = since;
+        None
+    }
 
     /// Serialize `seq`'s KV cache (every layer's K and V for all its tokens) into one
     /// contiguous, self-describing buffer for transfer to a decode process. The layout is
@@ -195,6 +210,9 @@ impl<T: ModelRunner + ?Sized> ModelRunner for Box<T> {
     }
     fn kv_usage(&self) -> KvUsage {
         (**self).kv_usage()
+    }
+    fn prefix_keys(&self, since: u64) -> Option<PrefixKeys> {
+        (**self).prefix_keys(since)
     }
     fn export_kv(&self, seq: SeqId) -> crate::Result<Vec<u8>> {
         (**self).export_kv(seq)

@@ -13,6 +13,7 @@ pub mod chat;
 pub mod config;
 pub mod metrics;
 pub mod parent;
+pub mod prefix_report;
 pub mod sampling;
 pub mod scheduler;
 pub mod server;

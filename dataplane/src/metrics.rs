@@ -1,5 +1,7 @@
 //! Prometheus metrics of the serving layer, shared by the HTTP handlers and the engine
-//! thread (all handles are atomics, so updating them never blocks).
+//! thread (all handles are atomics, so updating them never blocks), and the prefix
+//! cache's report for routers (`prefix_report`: its keys behind a lock taken only to copy
+//! them).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -7,11 +9,19 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
     pub endpoint: String,
     pub status: String,
+}
+
+/// `cache_config_info`'s labels (vLLM's names: endpoint pickers read the block size there).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CacheConfigLabels {
+    pub block_size: String,
+    pub num_gpu_blocks: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -381,6 +391,13 @@ pub struct Metrics {
     pub progress_stalls: Family<ReasonLabels, Counter>,
     /// In-place reset calls (`POST /admin/reset`), by outcome (`pd::reset::Outcome`).
     pub resets: Family<OutcomeLabels, Counter>,
+    /// KV blocks in use over all blocks, 0 to 1 (the Gateway API Inference Extension's
+    /// KVCacheUsage, named as vLLM's `kv_cache_usage_perc`; docs/routing.md).
+    pub kv_cache_usage: Gauge<f64, AtomicU64>,
+    /// 1, labelled with the KV block size and the blocks in the pool (`cache_config_info`).
+    pub cache_config: Family<CacheConfigLabels, Gauge>,
+    /// The prefix cache's keys for routers (`GET /tandem/report`).
+    pub prefix_report: crate::prefix_report::PrefixReport,
 }
 
 impl Metrics {
@@ -488,6 +505,18 @@ impl Metrics {
                 outcome: o.label().into(),
             });
         }
+        let kv_cache_usage = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "kv_cache_usage_perc",
+            "KV blocks in use over all KV blocks, 0 to 1 (idle prefix-cache blocks count as free)",
+            kv_cache_usage.clone(),
+        );
+        let cache_config = Family::<CacheConfigLabels, Gauge>::default();
+        registry.register(
+            "cache_config_info",
+            "The KV cache's configuration in labels: block_size (tokens) and num_gpu_blocks (blocks in the pool, whatever the device)",
+            cache_config.clone(),
+        );
         let kv = KvMetrics::register(&mut registry);
         let prefix_cache = PrefixCacheMetrics::register(&mut registry);
         for reason in [
@@ -539,6 +568,9 @@ impl Metrics {
             kv_blocks_free,
             progress_stalls,
             resets,
+            kv_cache_usage,
+            cache_config,
+            prefix_report: Default::default(),
         }
     }
 
@@ -548,6 +580,16 @@ impl Metrics {
                 outcome: outcome.label().to_owned(),
             })
             .inc();
+    }
+
+    /// Publish the KV cache's configuration (`cache_config_info`), once the model is loaded.
+    pub fn set_cache_config(&self, block_size: usize, blocks: usize) {
+        self.cache_config
+            .get_or_create(&CacheConfigLabels {
+                block_size: block_size.to_string(),
+                num_gpu_blocks: blocks.to_string(),
+            })
+            .set(1);
     }
 
     pub fn fail(&self, reason: &str) {

@@ -1,6 +1,7 @@
 //! OpenAI-compatible HTTP server (hyper 1, HTTP/1.1) with health, readiness and metrics.
 
 mod api_error;
+mod api_keys;
 mod completions;
 mod conn;
 mod fields;
@@ -12,6 +13,9 @@ mod params;
 mod progress_check;
 mod ready;
 mod reset;
+mod router_calls;
+#[cfg(test)]
+mod router_calls_tests;
 mod routes;
 #[cfg(test)]
 mod test_server;
@@ -101,6 +105,10 @@ pub struct AppState {
     pub no_progress: Duration,
     /// The `engine_progress` check's state between `/ready` calls.
     pub progress: progress_check::ProgressWatch,
+    /// Keys `/v1/*` and `/tandem/*` require (`--api-key`, `--api-key-file`); none: open.
+    pub api_keys: tandem_contract::api_keys::ApiKeys,
+    /// Tokens per KV block (the prompt keys a router matches are of whole blocks).
+    pub kv_block_tokens: usize,
 }
 
 /// Shutdown state shared by `serve`, `/ready` and the request handlers.

@@ -86,6 +86,21 @@ struct LocalArgs {
     /// lines.
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
+    /// How the endpoint picks a group for a request (docs/routing.md).
+    #[arg(long, value_enum, default_value = "prefix-load")]
+    routing: local::router::Routing,
+    /// Sends of a request to another group after its decode failed before the first
+    /// byte of its answer: 1 or 0.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
+    retries: u8,
+    /// A key clients must send as `Authorization: Bearer <key>` on `/v1/*` (`/health`,
+    /// `/ready` and `/metrics` stay open). Prefer the variable or the file: a command
+    /// line is visible to every user of the machine.
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// A file of accepted keys, one a line (blank lines and `#` comments skipped).
+    #[arg(long, env = "TANDEM_API_KEY_FILE")]
+    api_key_file: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -173,6 +188,12 @@ fn run_local(args: LocalArgs) -> anyhow::Result<()> {
         log_dir,
         grace: Duration::from_secs(args.grace_period_seconds),
         live,
+        router: local::router::config(
+            args.routing,
+            args.retries,
+            args.api_key.as_deref(),
+            args.api_key_file.as_deref(),
+        )?,
     };
     tokio::runtime::Builder::new_current_thread()
         .enable_all()

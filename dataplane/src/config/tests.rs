@@ -574,3 +574,30 @@ mod contract {
         }
     }
 }
+
+#[test]
+fn api_keys_are_read_from_the_flag_and_the_file_and_never_shown() {
+    let dir = std::env::temp_dir().join(format!("tandem-api-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("keys");
+    std::fs::write(&file, "# ops\nsk-file-1\n").unwrap();
+    let c = Config::try_parse_from([
+        "x",
+        "--model",
+        "m.gguf",
+        "--api-key",
+        "sk-flag-1",
+        "--api-key-file",
+        file.to_str().unwrap(),
+    ])
+    .unwrap();
+    assert_eq!(c.api_keys().unwrap().len(), 2);
+    let v = c.effective();
+    assert_eq!(v["config"]["api_key"], "<redacted: 9 bytes>");
+    assert!(!v.to_string().contains("sk-flag-1"), "{v}");
+    std::fs::write(&file, "bad key\n").unwrap();
+    let e = c.api_keys().unwrap_err().to_string();
+    assert!(e.contains("--api-key-file") && e.contains("line 1"), "{e}");
+    assert!(!e.contains("bad key"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -116,6 +116,16 @@ impl BlockAllocator {
         self.prefix.as_ref().map_or(0, PrefixCache::idle)
     }
 
+    /// The keys of the prefix cache's blocks when its version is not `since` (`None`: no
+    /// change, or no prefix cache).
+    pub fn prefix_keys(&self, since: u64) -> Option<crate::engine_api::PrefixKeys> {
+        let c = self.prefix.as_ref()?;
+        (c.version() != since).then(|| crate::engine_api::PrefixKeys {
+            version: c.version(),
+            keys: c.keys().collect(),
+        })
+    }
+
     pub fn usage(&self) -> KvUsage {
         KvUsage {
             blocks_total: self.n_blocks,

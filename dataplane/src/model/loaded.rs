@@ -310,6 +310,10 @@ impl<B: Backend> LoadedModel<B> {
         self.blocks.usage()
     }
 
+    pub fn prefix_keys(&self, since: u64) -> Option<crate::engine_api::PrefixKeys> {
+        self.blocks.prefix_keys(since)
+    }
+
     /// The header this model's exports carry, for `n_tokens` tokens.
     fn kv_header(&self, n_tokens: usize) -> KvHeader {
         let c = self.config();

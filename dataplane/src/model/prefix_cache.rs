@@ -87,6 +87,9 @@ pub struct PrefixCache {
     clock: u64,
     generations: u64,
     counters: PrefixCacheCounters,
+    /// Bumped by every block entered or evicted: a report of [`Self::keys`] at one version
+    /// is still exact while the version is.
+    version: u64,
 }
 
 impl PrefixCache {
@@ -98,6 +101,7 @@ impl PrefixCache {
             clock: 0,
             generations: 0,
             counters: PrefixCacheCounters::default(),
+            version: 0,
         }
     }
 
@@ -113,6 +117,17 @@ impl PrefixCache {
 
     pub fn counters(&self) -> PrefixCacheCounters {
         self.counters
+    }
+
+    /// Changes with every block entered or evicted (0: none yet).
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The keys of every cached block, referenced or idle (what a router matches prompts
+    /// against: `GET /tandem/report`).
+    pub fn keys(&self) -> impl Iterator<Item = BlockKey> + '_ {
+        self.by_key.keys().copied()
     }
 
     pub fn is_cached(&self, block: u32) -> bool {
@@ -214,6 +229,7 @@ impl PrefixCache {
             idle_since: None,
         });
         self.by_key.insert(key, block);
+        self.version += 1;
         true
     }
 
@@ -226,6 +242,7 @@ impl PrefixCache {
             self.by_key.remove(&e.key);
         }
         self.counters.evictions += 1;
+        self.version += 1;
         Some(block)
     }
 }
@@ -289,6 +306,27 @@ mod tests {
         assert!(c.publish(3, k[0], &t[..4], None));
         assert_eq!(c.lookup(&t, &k, 4, 9), vec![3]);
         assert_eq!(c.counters().evictions, 1);
+    }
+
+    #[test]
+    fn the_version_changes_with_every_entry_and_eviction_and_the_keys_follow() {
+        let mut c = PrefixCache::new(4);
+        assert_eq!((c.version(), c.keys().count()), (0, 0));
+        assert!(c.publish(0, 10, &[1], None));
+        assert!(c.publish(1, 11, &[2], Some(0)));
+        assert!(!c.publish(2, 10, &[1], None), "refused: no change");
+        assert_eq!(c.version(), 2);
+        let mut keys: Vec<u64> = c.keys().collect();
+        keys.sort_unstable();
+        assert_eq!(keys, vec![10, 11]);
+        c.unpin(1);
+        assert_eq!(
+            c.version(),
+            2,
+            "becoming idle changes nothing a router sees"
+        );
+        assert_eq!(c.evict_lru(), Some(1));
+        assert_eq!((c.version(), c.keys().collect::<Vec<_>>()), (3, vec![10]));
     }
 
     #[test]

@@ -628,6 +628,15 @@ impl<R: ModelRunner> Engine<R> {
         self.metrics
             .kv_blocks_free
             .set(kv.blocks_total.saturating_sub(kv.blocks_used) as i64);
+        self.metrics
+            .kv_cache_usage
+            .set(kv.blocks_used as f64 / kv.blocks_total.max(1) as f64);
+        // Routers' view of the prefix cache: a copy only when one asked and it changed.
+        if let Some(since) = self.metrics.prefix_report.due()
+            && let Some(keys) = self.runner.prefix_keys(since)
+        {
+            self.metrics.prefix_report.publish(keys);
+        }
     }
 }
 

@@ -94,6 +94,17 @@ pub async fn chat(state: Arc<AppState>, body: Bytes) -> R<http::Response<Body>> 
         }
         common.sampling.logprobs = Some(n as usize);
     }
+    let ids = chat_prompt(&state, messages)?;
+    generate(state, Kind::Chat, ids, common).await
+}
+
+/// The token ids of the prompt a chat request runs: its messages rendered with the chat
+/// template and tokenized (also what `POST /tandem/prompt-keys` hashes, so that a
+/// router's keys are exactly the engine's).
+pub(super) fn chat_prompt(
+    state: &AppState,
+    messages: Vec<crate::chat::ChatMessage>,
+) -> R<Vec<u32>> {
     let chat = state.chat.as_ref().ok_or_else(|| {
         ApiError::invalid(
             None,
@@ -125,7 +136,7 @@ pub async fn chat(state: Arc<AppState>, body: Bytes) -> R<http::Response<Body>> 
     {
         ids.insert(0, bos);
     }
-    generate(state, Kind::Chat, ids, common).await
+    Ok(ids)
 }
 
 pub async fn completions(state: Arc<AppState>, body: Bytes) -> R<http::Response<Body>> {
@@ -143,11 +154,16 @@ pub async fn completions(state: Arc<AppState>, body: Bytes) -> R<http::Response<
         }
         common.sampling.logprobs = Some(n as usize);
     }
-    let ids = match prompt {
+    let ids = completion_prompt(&state, prompt);
+    generate(state, Kind::Text, ids, common).await
+}
+
+/// The token ids of a completion request's prompt.
+pub(super) fn completion_prompt(state: &AppState, prompt: Prompt) -> Vec<u32> {
+    match prompt {
         Prompt::Text(t) => state.tokenizer.encode(&t, true, true),
         Prompt::Tokens(ids) => ids,
-    };
-    generate(state, Kind::Text, ids, common).await
+    }
 }
 
 async fn generate(

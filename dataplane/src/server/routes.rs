@@ -27,6 +27,9 @@ pub(super) enum Handler {
     DebugFault,
     /// Only for the roles prefill and decode (docs/in-place-reset.md).
     Reset,
+    /// A router's calls (`router_calls`).
+    RouterReport,
+    RouterPromptKeys,
 }
 
 /// One path and method the server answers.
@@ -79,6 +82,16 @@ pub(super) const ROUTES: &[Route] = &[
         method: Method::POST,
         handler: Handler::Reset,
     },
+    Route {
+        path: tandem_contract::routing::REPORT_PATH,
+        method: Method::GET,
+        handler: Handler::RouterReport,
+    },
+    Route {
+        path: tandem_contract::routing::PROMPT_KEYS_PATH,
+        method: Method::POST,
+        handler: Handler::RouterPromptKeys,
+    },
 ];
 
 /// The routes of `path` that exist in this process (`/debug/fault` only with fault
@@ -96,6 +109,10 @@ pub(super) async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Respo
     let method = req.method().clone();
     let here: Vec<&Route> = routes_of(&state, &path).collect();
     let endpoint = here.first().map_or("other", |r| r.path);
+    if let Some(refused) = super::api_keys::refuse(&state, &path, req.headers()) {
+        state.metrics.request(endpoint, refused.status().as_u16());
+        return refused;
+    }
     let res = match here.iter().find(|r| r.method == method) {
         Some(r) => handle(&state, r.handler, req).await,
         None if here.is_empty() => {
@@ -152,6 +169,12 @@ async fn handle(
         }
         Handler::Completions => {
             completions::completions(state.clone(), body(req, max_body).await?).await
+        }
+        Handler::RouterReport => Ok(super::router_calls::report(state, req.uri().query())),
+        Handler::RouterPromptKeys => {
+            let query = req.uri().query().map(str::to_owned);
+            let b = body(req, max_body).await?;
+            super::router_calls::prompt_keys(state, query.as_deref(), &b)
         }
     }
 }

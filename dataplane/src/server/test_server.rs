@@ -95,6 +95,42 @@ pub(super) fn start_full(
     drain: Duration,
     limits: HttpLimits,
 ) -> (TestServer, std::thread::JoinHandle<()>) {
+    start_keyed(
+        blocks,
+        cfg,
+        max_heartbeat_age,
+        drain,
+        limits,
+        Default::default(),
+    )
+}
+
+/// A server that requires `api_keys`.
+pub(super) fn start_with_keys(api_keys: tandem_contract::api_keys::ApiKeys) -> TestServer {
+    let limits = HttpLimits {
+        header_timeout: HEADER_TIMEOUT,
+        ..HttpLimits::default()
+    };
+    let five = Duration::from_secs(5);
+    start_keyed(
+        1000,
+        SchedulerConfig::default(),
+        five,
+        five,
+        limits,
+        api_keys,
+    )
+    .0
+}
+
+fn start_keyed(
+    blocks: usize,
+    cfg: SchedulerConfig,
+    max_heartbeat_age: Duration,
+    drain: Duration,
+    limits: HttpLimits,
+    api_keys: tandem_contract::api_keys::ApiKeys,
+) -> (TestServer, std::thread::JoinHandle<()>) {
     let (runner, st) = fake(blocks);
     let tok = Arc::new(toy_tokenizer());
     let metrics = Arc::new(Metrics::new());
@@ -117,6 +153,8 @@ pub(super) fn start_full(
         fault_injection: false,
         no_progress: Duration::from_secs(30),
         progress: Default::default(),
+        api_keys,
+        kv_block_tokens: crate::test_support::fake_runner::BLOCK,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

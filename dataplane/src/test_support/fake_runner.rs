@@ -21,6 +21,8 @@ pub struct FakeState {
     pub log: Vec<Vec<(SeqId, usize, bool)>>,
     pub step_delay: Duration,
     pub panic_on_token: Option<u32>,
+    /// What `prefix_keys` reports (the toy has no prefix cache of its own).
+    pub prefix: Option<crate::engine_api::PrefixKeys>,
 }
 
 impl FakeState {
@@ -130,6 +132,10 @@ impl ModelRunner for FakeRunner {
     fn free(&mut self, seq: SeqId) {
         self.lock().seqs.remove(&seq);
     }
+    fn prefix_keys(&self, since: u64) -> Option<crate::engine_api::PrefixKeys> {
+        self.lock().prefix.clone().filter(|p| p.version != since)
+    }
+
     fn kv_usage(&self) -> KvUsage {
         let st = self.lock();
         KvUsage {

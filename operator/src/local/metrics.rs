@@ -1,16 +1,12 @@
 //! Metrics of the local runtime, registered beside the operator's own (which count
 //! reconciles, co-restarts by reason and time to group Ready the same way for both
-//! executors).
+//! executors). Its endpoint's requests are the router's (`tandem_router_*`, served on the
+//! same `/metrics`).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OutcomeLabel {
-    pub outcome: String,
-}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ExitLabel {
@@ -21,9 +17,6 @@ pub struct ExitLabel {
 
 #[derive(Clone, Default)]
 pub struct LocalMetrics {
-    /// Requests to `/v1/*` by outcome: `forwarded`, `no_ready_group`, `connect_failed`,
-    /// `upstream_failed`.
-    pub requests: Family<OutcomeLabel, Counter>,
     pub exits: Family<ExitLabel, Counter>,
     /// Actions the executor could not carry out (a process that could not start).
     pub action_failures: Counter,
@@ -33,11 +26,6 @@ impl LocalMetrics {
     /// Create and register in `registry` (prefixed like the operator's metrics).
     pub fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
-        registry.register(
-            "local_requests",
-            "Requests to the local OpenAI endpoint, by outcome",
-            m.requests.clone(),
-        );
         registry.register(
             "local_process_exits",
             "Member processes that exited, by role and whether the runtime stopped them",
@@ -49,14 +37,6 @@ impl LocalMetrics {
             m.action_failures.clone(),
         );
         m
-    }
-
-    pub fn request(&self, outcome: &str) {
-        self.requests
-            .get_or_create(&OutcomeLabel {
-                outcome: outcome.to_string(),
-            })
-            .inc();
     }
 
     pub fn exit(&self, role: &str, planned: bool) {

@@ -52,6 +52,9 @@ pub enum Error {
         "the dataplane binary {path} {why}: build it with `cargo build --release -p tandem-dataplane` or pass --dataplane"
     )]
     Dataplane { path: PathBuf, why: String },
+    /// The API keys could not be read; the message names the flag, file and line.
+    #[error("{0}")]
+    ApiKeys(String),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -78,6 +81,8 @@ pub struct Options {
     pub grace: Duration,
     /// Draw the live status on stdout (a terminal).
     pub live: bool,
+    /// The endpoint's routing: policy, retries, API keys (docs/routing.md).
+    pub router: tandem_router::RouterConfig,
 }
 
 /// The dataplane binary next to the running executable (how `cargo build` and an
@@ -152,10 +157,13 @@ pub async fn run(opts: Options, manifest: manifest::Manifest) -> Result<()> {
     )));
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
 
+    let keys = opts.router.api_keys.len();
+    let policy = opts.router.policy.mode;
+    let retries = opts.router.retries;
     let router = Arc::new(router::Router::new(
         snap_rx.clone(),
         metrics.clone(),
-        local_metrics.clone(),
+        opts.router.clone(),
     ));
     let router_task = tokio::spawn(router::serve(listener, router));
     let watch_task = tokio::spawn(watch::run(opts.file.clone(), seen, tx.clone()));
@@ -169,6 +177,9 @@ pub async fn run(opts: Options, manifest: manifest::Manifest) -> Result<()> {
         dataplane = %opts.dataplane.display(),
         logs = %opts.log_dir.display(),
         model = %manifest.pdd.spec.model.path,
+        routing = ?policy,
+        retries,
+        api_keys = keys,
         "local runtime started: the planner decides, local processes carry it out"
     );
     if !manifest.cluster_only.is_empty() {

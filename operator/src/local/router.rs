@@ -1,116 +1,215 @@
-//! The local stand-in for the client Service: one HTTP endpoint that forwards `/v1/*` to
-//! the decodes of Ready groups (gate open and the decode itself ready), round robin.
+//! The local runtime's OpenAI endpoint: the host of `tandem-router` (the same policy and
+//! proxy a cluster router runs; docs/routing.md). It forwards `/v1/*` to the decodes of
+//! groups Ready at their current incarnation, by prefix affinity balanced by load (or
+//! round robin), with one retry on another group when a decode fails before the first
+//! byte of its answer.
 //!
-//! - Response bodies are passed through frame by frame (SSE streams arrive as they are
-//!   produced; nothing is buffered), and request bodies the same way.
-//! - A client that goes away closes the connection to the decode, which aborts the
-//!   request's room on both sides: the upstream connection lives exactly as long as the
-//!   response body being sent to the client.
-//! - No ready group: 503 at once with a JSON body saying why, never a wait.
-//! - Also served: `/health` (the runtime's event loop answers), `/ready` (some group can
-//!   take traffic), `/metrics` (the operator's metrics plus the router's), `/status` (the
-//!   whole [`Snapshot`] as JSON: status, members, endpoints, the record) and
-//!   `/status.txt` (the terminal display's text).
+//! - The decodes it may use come from the runtime's snapshot ([`targets_of`]: the serving
+//!   decodes, and each group's phase and incarnation from the planner's status).
+//! - Answers pass through frame by frame once their first frame is there (SSE streams
+//!   stay streams); a client that goes away closes the connection to the decode, which
+//!   aborts the request on both roles.
+//! - No eligible group: 503 at once with a JSON body saying why, never a wait.
+//! - Also served, never behind the API keys: `/health` (the runtime's event loop
+//!   answers), `/ready` (some group can take traffic), `/metrics` (the operator's metrics,
+//!   then the router's `tandem_router_*`). Behind them when keys are set, like `/v1/*`:
+//!   `/status` (the whole [`Snapshot`] as JSON) and `/status.txt` (the terminal display's
+//!   text), which name the members and their logs.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full};
-use hyper::body::{Frame, Incoming, SizeHint};
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::registry::Registry;
 use serde_json::json;
-use tokio::net::{TcpListener, TcpStream};
+use tandem_router::proxy::{error, full};
+use tandem_router::{Body, RouterConfig, Secret, Target, Targets};
+use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio::task::AbortHandle;
 
-use super::executor::Endpoint;
-use super::metrics::LocalMetrics;
 use super::snapshot::Snapshot;
+use crate::crd::GroupPhase;
 use crate::metrics::Metrics;
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-pub type Body = UnsyncBoxBody<Bytes, BoxError>;
-
-/// Longest wait for a decode to accept a connection.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest a client may take to send a request head.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
-/// Headers that belong to one connection, never forwarded (RFC 9110 §7.6.1).
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
+
+/// How the endpoint picks a group (`--routing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Routing {
+    /// The group holding the longest cached prefix of the prompt, balanced by load.
+    PrefixLoad,
+    /// Ready groups in turn (the baseline).
+    RoundRobin,
+}
+
+/// The router's configuration from the runtime's flags. Keys come from `--api-key` (or
+/// `TANDEM_API_KEY`) and `--api-key-file` (or `TANDEM_API_KEY_FILE`); the router presents
+/// the first to the decodes, which require it too when they were given keys (members
+/// inherit the runtime's environment, so keys given through the variables protect their
+/// loopback ports as well).
+pub fn config(
+    routing: Routing,
+    retries: u8,
+    api_key: Option<&str>,
+    api_key_file: Option<&std::path::Path>,
+) -> super::Result<RouterConfig> {
+    let api_keys = tandem_contract::api_keys::ApiKeys::load(api_key, api_key_file)
+        .map_err(|e| super::Error::ApiKeys(e.to_string()))?;
+    let upstream_key = match (api_key, api_key_file) {
+        (Some(k), _) => Some(Secret(k.trim().to_string())),
+        (None, Some(f)) => std::fs::read_to_string(f).ok().and_then(|t| {
+            t.lines()
+                .map(str::trim)
+                .find(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(|k| Secret(k.to_string()))
+        }),
+        (None, None) => None,
+    };
+    let mut cfg = RouterConfig {
+        retries: retries.min(1),
+        api_keys,
+        upstream_key,
+        ..RouterConfig::default()
+    };
+    if routing == Routing::RoundRobin {
+        cfg.policy.mode = tandem_router::policy::Mode::RoundRobin;
+    }
+    Ok(cfg)
+}
 
 pub struct Router {
     snapshot: watch::Receiver<Arc<Snapshot>>,
     metrics: Arc<Metrics>,
-    local: LocalMetrics,
-    next: AtomicUsize,
+    /// The router's own metrics (`tandem_router_*`).
+    registry: Registry,
+    targets: watch::Sender<Arc<Targets>>,
+    inner: tandem_router::Router,
 }
 
 impl Router {
     pub fn new(
         snapshot: watch::Receiver<Arc<Snapshot>>,
         metrics: Arc<Metrics>,
-        local: LocalMetrics,
+        cfg: RouterConfig,
     ) -> Self {
+        let first = targets_of(&snapshot.borrow());
+        let (targets, rx) = watch::channel(Arc::new(first));
+        let mut registry = Registry::with_prefix("tandem_router");
+        let inner = tandem_router::Router::new(cfg, rx, &mut registry);
         Self {
             snapshot,
             metrics,
-            local,
-            next: AtomicUsize::new(0),
+            registry,
+            targets,
+            inner,
         }
     }
 }
 
-/// Accept connections until the task is dropped.
-pub async fn serve(listener: TcpListener, router: Arc<Router>) {
-    loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!("accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
+/// The decodes the router may use, from a snapshot: every serving decode, with its
+/// group's phase and current incarnation (only those of groups Ready at it are ever
+/// chosen).
+pub fn targets_of(s: &Snapshot) -> Targets {
+    let groups = s
+        .status
+        .as_ref()
+        .map(|st| st.group_statuses.as_slice())
+        .unwrap_or_default();
+    let targets: Vec<Target> = s
+        .endpoints
+        .iter()
+        .map(|e| {
+            let g = groups.iter().find(|g| g.index == e.group);
+            Target {
+                pod: e.pod.clone(),
+                group: e.group,
+                incarnation: e.incarnation,
+                addr: e.addr,
+                group_ready: g.is_some_and(|g| g.phase == GroupPhase::Ready),
+                group_incarnation: g.map_or(-1, |g| g.incarnation),
             }
-        };
-        let _ = stream.set_nodelay(true);
-        let router = router.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |req| {
-                let router = router.clone();
-                async move { Ok::<_, Infallible>(router.handle(req).await) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
+        })
+        .collect();
+    let unavailable = if !s.unavailable.is_empty() {
+        s.unavailable.clone()
+    } else {
+        // Decodes serve, but none of a group Ready at its current incarnation.
+        let why: Vec<String> = targets
+            .iter()
+            .map(|t| {
+                let phase = groups
+                    .iter()
+                    .find(|g| g.index == t.group)
+                    .map_or("unknown".to_string(), |g| format!("{:?}", g.phase));
+                format!(
+                    "group {} is {phase} at incarnation {} (decode {} serves at incarnation {})",
+                    t.group, t.group_incarnation, t.pod, t.incarnation
+                )
+            })
+            .collect();
+        format!("no group is ready: {}", why.join("; "))
+    };
+    Targets {
+        targets,
+        unavailable,
     }
 }
 
-fn full(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response<Body> {
-    let mut r = Response::new(
-        Full::new(body.into())
-            .map_err(|never| match never {})
-            .boxed_unsync(),
-    );
+/// Accept connections, follow the snapshot's decodes and poll their reports, until the
+/// task is dropped.
+pub async fn serve(listener: TcpListener, router: Arc<Router>) {
+    let follow = {
+        let router = router.clone();
+        async move {
+            let mut rx = router.snapshot.clone();
+            while rx.changed().await.is_ok() {
+                let t = targets_of(&rx.borrow_and_update());
+                router.targets.send_replace(Arc::new(t));
+            }
+        }
+    };
+    let poll = router.inner.poller().run();
+    let accept = async move {
+        loop {
+            let (stream, _) = match listener.accept().await {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let router = router.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |req| {
+                    let router = router.clone();
+                    async move { Ok::<_, Infallible>(router.handle(req).await) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HEADER_TIMEOUT)
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    };
+    tokio::select! {
+        _ = follow => {}
+        _ = poll => {}
+        _ = accept => {}
+    }
+}
+
+fn text(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response<Body> {
+    let mut r = Response::new(full(body));
     *r.status_mut() = status;
     r.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -118,216 +217,83 @@ fn full(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) 
 }
 
 fn json_body(status: StatusCode, v: &serde_json::Value) -> Response<Body> {
-    full(status, "application/json", v.to_string())
+    text(status, "application/json", v.to_string())
 }
 
-/// An OpenAI-style error body.
-fn error(status: StatusCode, code: &str, message: &str) -> Response<Body> {
-    let type_ = if status == StatusCode::SERVICE_UNAVAILABLE {
-        "service_unavailable"
-    } else {
-        "upstream_error"
-    };
-    let mut r = json_body(
-        status,
-        &json!({"error": {"message": message, "type": type_, "code": code}}),
-    );
-    if status == StatusCode::SERVICE_UNAVAILABLE {
-        r.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+/// OpenMetrics text of `registry` without its `# EOF` line (so two registries make one
+/// exposition).
+fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
+    let mut s = String::new();
+    prometheus_client::encoding::text::encode(&mut s, registry)?;
+    if let Some(body) = s.strip_suffix("# EOF\n") {
+        s.truncate(body.len());
     }
-    r
-}
-
-fn strip_hop_by_hop(h: &mut HeaderMap) {
-    for name in HOP_BY_HOP {
-        h.remove(name);
-    }
+    Ok(s)
 }
 
 impl Router {
     async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
         let path = req.uri().path();
         if path.starts_with("/v1/") {
-            return self.forward(req).await;
+            return self.inner.forward(req).await;
         }
-        let snap = self.snapshot.borrow().clone();
         match (req.method(), path) {
             (&Method::GET, "/health") => json_body(StatusCode::OK, &json!({"status": "ok"})),
             (&Method::GET, "/ready") => {
-                if snap.endpoints.is_empty() {
+                let t = self.inner.targets();
+                if t.eligible() == 0 {
                     error(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "no_ready_group",
-                        &snap.unavailable,
+                        &t.unavailable,
                     )
                 } else {
+                    let endpoints: Vec<&Target> =
+                        t.targets.iter().filter(|t| t.eligible()).collect();
                     json_body(
                         StatusCode::OK,
-                        &json!({"ready": true, "endpoints": snap.endpoints}),
+                        &json!({"ready": true, "endpoints": endpoints.iter().map(|t| json!({
+                            "pod": t.pod, "group": t.group, "incarnation": t.incarnation, "addr": t.addr,
+                        })).collect::<Vec<_>>()}),
                     )
                 }
             }
             (&Method::GET, "/metrics") => {
-                let mut text = String::new();
-                if let Err(e) =
-                    prometheus_client::encoding::text::encode(&mut text, &self.metrics.registry)
-                {
-                    return error(StatusCode::INTERNAL_SERVER_ERROR, "metrics", &e.to_string());
+                match (encode(&self.metrics.registry), encode(&self.registry)) {
+                    (Ok(a), Ok(b)) => text(
+                        StatusCode::OK,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        format!("{a}{b}# EOF\n"),
+                    ),
+                    (Err(e), _) | (_, Err(e)) => {
+                        error(StatusCode::INTERNAL_SERVER_ERROR, "metrics", &e.to_string())
+                    }
                 }
-                full(
-                    StatusCode::OK,
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    text,
-                )
             }
-            (&Method::GET, "/status.txt") => {
-                let mut text =
-                    super::display::render(&snap, k8s_openapi::jiff::Timestamp::now()).join("\n");
-                text.push('\n');
-                full(StatusCode::OK, "text/plain; charset=utf-8", text)
+            (&Method::GET, "/status.txt" | "/status") => {
+                if let Err(r) = self.inner.authorize(req.headers()) {
+                    return r;
+                }
+                let snap = self.snapshot.borrow().clone();
+                if path == "/status" {
+                    match serde_json::to_string_pretty(&*snap) {
+                        Ok(s) => text(StatusCode::OK, "application/json", s),
+                        Err(e) => {
+                            error(StatusCode::INTERNAL_SERVER_ERROR, "status", &e.to_string())
+                        }
+                    }
+                } else {
+                    let mut t = super::display::render(&snap, k8s_openapi::jiff::Timestamp::now())
+                        .join("\n");
+                    t.push('\n');
+                    text(StatusCode::OK, "text/plain; charset=utf-8", t)
+                }
             }
-            (&Method::GET, "/status") => match serde_json::to_string_pretty(&*snap) {
-                Ok(s) => full(StatusCode::OK, "application/json", s),
-                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "status", &e.to_string()),
-            },
             _ => json_body(
                 StatusCode::NOT_FOUND,
                 &json!({"error": {"message": format!("no route for {} {path}: the OpenAI API is under /v1/, the runtime's own endpoints are /health, /ready, /metrics, /status and /status.txt", req.method()), "type": "not_found", "code": "not_found"}}),
             ),
         }
-    }
-
-    async fn forward(&self, req: Request<Incoming>) -> Response<Body> {
-        let snap = self.snapshot.borrow().clone();
-        if snap.endpoints.is_empty() {
-            self.local.request("no_ready_group");
-            return error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "no_ready_group",
-                &snap.unavailable,
-            );
-        }
-        let n = snap.endpoints.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
-        let mut last = String::new();
-        // Only the connection is retried on another decode: the request has not been
-        // sent anywhere yet.
-        for i in 0..n {
-            let ep = &snap.endpoints[(start + i) % n];
-            match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(ep.addr)).await {
-                Ok(Ok(stream)) => return self.send(stream, ep, req).await,
-                Ok(Err(e)) => last = format!("decode {} at {}: {e}", ep.pod, ep.addr),
-                Err(_) => {
-                    last = format!(
-                        "decode {} at {}: no connection within {}s",
-                        ep.pod,
-                        ep.addr,
-                        CONNECT_TIMEOUT.as_secs()
-                    )
-                }
-            }
-            tracing::warn!(pod = %ep.pod, group = ep.group, "forwarding failed: {last}");
-            self.local.request("connect_failed");
-        }
-        // Every decode listed is unreachable: it died and the runtime has not seen the
-        // exit yet. The endpoint is unavailable for now, like one with no ready group.
-        error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "upstream_unreachable",
-            &last,
-        )
-    }
-
-    async fn send(
-        &self,
-        stream: TcpStream,
-        ep: &Endpoint,
-        req: Request<Incoming>,
-    ) -> Response<Body> {
-        let _ = stream.set_nodelay(true);
-        let (mut sender, conn) =
-            match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
-                Ok(c) => c,
-                Err(e) => {
-                    self.local.request("upstream_failed");
-                    return error(
-                        StatusCode::BAD_GATEWAY,
-                        "upstream_failed",
-                        &format!("decode {}: {e}", ep.pod),
-                    );
-                }
-            };
-        // The connection lives while this request or its response body does.
-        let conn = AbortOnDrop(
-            tokio::spawn(async move {
-                let _ = conn.await;
-            })
-            .abort_handle(),
-        );
-        let (mut parts, body) = req.into_parts();
-        strip_hop_by_hop(&mut parts.headers);
-        if let Ok(v) = HeaderValue::from_str(&ep.addr.to_string()) {
-            parts.headers.insert(header::HOST, v);
-        }
-        match sender.send_request(Request::from_parts(parts, body)).await {
-            Ok(resp) => {
-                self.local.request("forwarded");
-                let (mut parts, body) = resp.into_parts();
-                strip_hop_by_hop(&mut parts.headers);
-                if let Ok(v) = HeaderValue::from_str(&ep.pod) {
-                    parts.headers.insert("x-tandem-pod", v);
-                }
-                let body = Upstream { body, _conn: conn }
-                    .map_err(|e| Box::new(e) as BoxError)
-                    .boxed_unsync();
-                Response::from_parts(parts, body)
-            }
-            Err(e) => {
-                tracing::warn!(pod = %ep.pod, group = ep.group, "decode failed before answering: {e}");
-                self.local.request("upstream_failed");
-                error(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_failed",
-                    &format!("decode {} failed before answering: {e}", ep.pod),
-                )
-            }
-        }
-    }
-}
-
-/// Aborts a task when dropped.
-struct AbortOnDrop(AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// A decode's response body, holding its connection open until it is dropped.
-struct Upstream {
-    body: Incoming,
-    _conn: AbortOnDrop,
-}
-
-impl hyper::body::Body for Upstream {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
     }
 }
 

@@ -183,6 +183,10 @@ impl ModelRunner for CudaModelRunner {
         self.model.kv_usage()
     }
 
+    fn prefix_keys(&self, since: u64) -> Option<crate::engine_api::PrefixKeys> {
+        self.model.prefix_keys(since)
+    }
+
     fn export_kv(&self, seq: SeqId) -> Result<Vec<u8>> {
         self.model.export_kv(seq)
     }

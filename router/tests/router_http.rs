@@ -1,0 +1,496 @@
+//! The router over real sockets: a front server hosting `Router::forward`, stand-in
+//! decodes (tests/common) that answer, refuse, fail or break off at chosen points, real
+//! HTTP/1.1 between them.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::{Behavior, StandIn, chat, front, metrics, send, system_prompt, targets, value};
+use prometheus_client::registry::Registry;
+use tandem_contract::api_keys::ApiKeys;
+use tandem_router::policy::{Mode, PolicyConfig};
+use tandem_router::{Router, RouterConfig, Target, Targets};
+use tokio::sync::watch;
+
+mod common;
+
+struct Setup {
+    addr: std::net::SocketAddr,
+    registry: Registry,
+    tx: watch::Sender<Arc<Targets>>,
+    _poller: tokio::task::JoinHandle<()>,
+}
+
+impl Setup {
+    async fn new(cfg: RouterConfig, t: Vec<Target>) -> Self {
+        let (tx, rx) = watch::channel(Arc::new(targets(t)));
+        let mut registry = Registry::with_prefix("tandem_router");
+        let router = Arc::new(Router::new(cfg, rx, &mut registry));
+        let poller = tokio::spawn(router.poller().run());
+        let addr = front(router).await;
+        Self {
+            addr,
+            registry,
+            tx,
+            _poller: poller,
+        }
+    }
+
+    fn metric(&self, series: &str) -> f64 {
+        value(&metrics(&self.registry), series)
+    }
+
+    fn outcome(&self, o: &str) -> f64 {
+        self.metric(&format!("tandem_router_requests_total{{outcome=\"{o}\"}}"))
+    }
+}
+
+/// Let the poller take a report of every decode.
+async fn reports() {
+    tokio::time::sleep(Duration::from_millis(600)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_shared_prompt_sticks_to_the_decode_that_holds_it_and_prompts_spread() {
+    let decodes = [
+        StandIn::start("d0", Behavior::Answer).await,
+        StandIn::start("d1", Behavior::Answer).await,
+        StandIn::start("d2", Behavior::Answer).await,
+        StandIn::start("d3", Behavior::Answer).await,
+    ];
+    let s = Setup::new(
+        RouterConfig::default(),
+        decodes
+            .iter()
+            .enumerate()
+            .map(|(g, d)| d.target(g as i32))
+            .collect(),
+    )
+    .await;
+    // Eight prompts of 25 blocks, each asked once (one at a time: loads stay equal).
+    let mut home = Vec::new();
+    for p in 0..8 {
+        let r = send(
+            s.addr,
+            "/v1/chat/completions",
+            &chat(&system_prompt(p, 25), "hi", false),
+            &[],
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        home.push(r.header("x-tandem-pod").unwrap().to_string());
+    }
+    reports().await;
+    // Asked again, by other users: each goes where its prompt is.
+    for round in 0..3 {
+        for (p, want) in home.iter().enumerate() {
+            let user = format!("user {round}");
+            let r = send(
+                s.addr,
+                "/v1/chat/completions",
+                &chat(&system_prompt(p, 25), &user, false),
+                &[],
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            assert_eq!(
+                r.header("x-tandem-pod"),
+                Some(want.as_str()),
+                "prompt {p} round {round}"
+            );
+            assert_eq!(r.header("x-tandem-route"), Some("prefix"));
+        }
+    }
+    let used: std::collections::BTreeSet<&String> = home.iter().collect();
+    assert_eq!(
+        used.len(),
+        4,
+        "eight prompts on an idle fleet use every decode: {home:?}"
+    );
+    // 24 repeated requests matched all 25 blocks; the first 8 matched none.
+    assert_eq!(s.metric("tandem_router_prompt_blocks_total"), 32.0 * 25.0);
+    assert_eq!(s.metric("tandem_router_matched_blocks_total"), 24.0 * 25.0);
+    assert_eq!(s.outcome("forwarded"), 32.0);
+    // The prompt-keys calls went to the least loaded decode: all four at equal load.
+    let calls: usize = decodes
+        .iter()
+        .map(|d| d.prompt_key_calls.load(Ordering::SeqCst))
+        .sum();
+    assert_eq!(calls, 32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_prefix_spreads_once_its_decode_is_loaded() {
+    let d0 = StandIn::start("d0", Behavior::Answer).await;
+    let d1 = StandIn::start("d1", Behavior::Answer).await;
+    let s = Setup::new(RouterConfig::default(), vec![d0.target(0), d1.target(1)]).await;
+    let body = chat(&system_prompt(1, 25), "hi", false);
+    let r = send(s.addr, "/v1/chat/completions", &body, &[]).await;
+    let home = r.header("x-tandem-pod").unwrap().to_string();
+    let (hot, other) = if home == "d0" { (&d0, &d1) } else { (&d1, &d0) };
+    // The decode holding the prompt reports a queue that costs more than computing it.
+    hot.waiting.store(4, Ordering::SeqCst);
+    reports().await;
+    let r = send(s.addr, "/v1/chat/completions", &body, &[]).await;
+    assert_eq!(r.header("x-tandem-pod"), Some(other.name.as_str()));
+    assert_eq!(r.header("x-tandem-route"), Some("load"));
+}
+
+/// One failure before the first byte: the request goes to the other group once, the
+/// client gets that answer, and the failure is counted by its reason.
+async fn retried_after(b: Behavior, reason: &str) {
+    let bad = StandIn::start("bad", b).await;
+    let good = StandIn::start("good", Behavior::Answer).await;
+    // The bad decode is preferred: the good one reports a queue.
+    good.waiting.store(3, Ordering::SeqCst);
+    let s = Setup::new(RouterConfig::default(), vec![bad.target(0), good.target(1)]).await;
+    reports().await;
+    let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", false), &[]).await;
+    assert_eq!(r.status, 200, "{b:?}: {}", r.body);
+    assert_eq!(r.json()["pod"], "good", "{b:?}");
+    assert_eq!((bad.requests(), good.requests()), (1, 1), "{b:?}");
+    assert_eq!(s.outcome("retried"), 1.0, "{b:?}");
+    assert_eq!(s.metric("tandem_router_retries_total"), 1.0);
+    assert_eq!(
+        s.metric(&format!(
+            "tandem_router_attempt_failures_total{{reason=\"{reason}\"}}"
+        )),
+        1.0,
+        "{b:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_decode_fails_before_the_first_byte_is_retried_once_elsewhere() {
+    retried_after(Behavior::Unavailable, "status_503").await;
+    retried_after(Behavior::CloseBeforeHead, "closed_before_response").await;
+    retried_after(Behavior::CloseAfterHead, "closed_before_first_byte").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_is_retried_and_a_dead_fleet_answers_503() {
+    let good = StandIn::start("good", Behavior::Answer).await;
+    let dead = Target {
+        pod: "dead".into(),
+        addr: StandIn::dead_addr().await,
+        ..good.target(0)
+    };
+    // The dead decode first: the live one is loaded.
+    good.waiting.store(3, Ordering::SeqCst);
+    let s = Setup::new(RouterConfig::default(), vec![dead.clone(), good.target(1)]).await;
+    reports().await;
+    let r = send(
+        s.addr,
+        "/v1/completions",
+        &serde_json::json!({"prompt": "x"}),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["pod"], "good");
+    assert_eq!(
+        s.metric("tandem_router_attempt_failures_total{reason=\"connect_failed\"}"),
+        1.0
+    );
+    // Nothing reachable: 503, never a hang.
+    s.tx.send_replace(Arc::new(targets(vec![
+        dead.clone(),
+        Target {
+            pod: "dead2".into(),
+            group: 1,
+            addr: StandIn::dead_addr().await,
+            ..dead
+        },
+    ])));
+    let r = send(
+        s.addr,
+        "/v1/completions",
+        &serde_json::json!({"prompt": "x"}),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "upstream_unreachable");
+    assert_eq!(s.outcome("failed"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_that_broke_off_after_its_first_byte_is_never_retried() {
+    let bad = StandIn::start("bad", Behavior::CloseAfterFirstByte).await;
+    let good = StandIn::start("good", Behavior::Answer).await;
+    good.waiting.store(3, Ordering::SeqCst);
+    let s = Setup::new(RouterConfig::default(), vec![bad.target(0), good.target(1)]).await;
+    reports().await;
+    let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", true), &[]).await;
+    assert_eq!(r.status, 200);
+    assert!(r.body.contains("\"first\":true"), "{}", r.body);
+    assert!(
+        !r.complete,
+        "the client sees the answer end early: {}",
+        r.body
+    );
+    assert_eq!((bad.requests(), good.requests()), (1, 0));
+    assert_eq!(s.outcome("forwarded"), 1.0);
+    assert_eq!(s.metric("tandem_router_broken_answers_total"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_retries_the_decodes_failure_is_the_answer() {
+    let bad = StandIn::start("bad", Behavior::Unavailable).await;
+    let good = StandIn::start("good", Behavior::Answer).await;
+    good.waiting.store(3, Ordering::SeqCst);
+    let cfg = RouterConfig {
+        retries: 0,
+        ..RouterConfig::default()
+    };
+    let s = Setup::new(cfg, vec![bad.target(0), good.target(1)]).await;
+    reports().await;
+    let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", false), &[]).await;
+    assert_eq!(r.status, 503);
+    assert_eq!(
+        r.json()["error"]["code"],
+        "no_peer",
+        "the decode's own answer: {}",
+        r.body
+    );
+    assert_eq!((bad.requests(), good.requests()), (1, 0));
+    assert_eq!(s.outcome("failed"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_pass_through_whole() {
+    let d = StandIn::start(
+        "d",
+        Behavior::Stream {
+            frames: 5,
+            delay_ms: 20,
+        },
+    )
+    .await;
+    let s = Setup::new(RouterConfig::default(), vec![d.target(0)]).await;
+    let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", true), &[]).await;
+    assert_eq!(r.status, 200);
+    assert!(
+        r.complete && r.body.ends_with("data: [DONE]\n\n"),
+        "{}",
+        r.body
+    );
+    assert_eq!(r.body.matches("data: {").count(), 5, "{}", r.body);
+    assert_eq!(
+        d.prompt_key_calls.load(Ordering::SeqCst),
+        0,
+        "one decode: no prompt keys needed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_stays_on_its_decode_until_its_group_is_not_ready() {
+    let d0 = StandIn::start("d0", Behavior::Answer).await;
+    let d1 = StandIn::start("d1", Behavior::Answer).await;
+    let s = Setup::new(RouterConfig::default(), vec![d0.target(0), d1.target(1)]).await;
+    let session = [("x-session-id", "conversation-7")];
+    let r = send(
+        s.addr,
+        "/v1/chat/completions",
+        &chat("x", "hi", false),
+        &session,
+    )
+    .await;
+    let home = r.header("x-tandem-pod").unwrap().to_string();
+    let (at_home, away) = if home == "d0" { (&d0, &d1) } else { (&d1, &d0) };
+    // Its decode gets busier than the other; the session stays.
+    at_home.waiting.store(6, Ordering::SeqCst);
+    reports().await;
+    for _ in 0..3 {
+        let r = send(
+            s.addr,
+            "/v1/chat/completions",
+            &chat("y", "hi", false),
+            &session,
+        )
+        .await;
+        assert_eq!(r.header("x-tandem-pod"), Some(home.as_str()));
+        assert_eq!(r.header("x-tandem-route"), Some("session"));
+    }
+    // Without the header the same request goes by load.
+    let r = send(s.addr, "/v1/chat/completions", &chat("y", "hi", false), &[]).await;
+    assert_eq!(r.header("x-tandem-pod"), Some(away.name.as_str()));
+    // Its group goes not Ready: the session moves, and stays where it moved.
+    let mut gone = at_home.target(if home == "d0" { 0 } else { 1 });
+    gone.group_ready = false;
+    let other = away.target(if home == "d0" { 1 } else { 0 });
+    s.tx.send_replace(Arc::new(targets(vec![gone.clone(), other.clone()])));
+    let r = send(
+        s.addr,
+        "/v1/chat/completions",
+        &chat("y", "hi", false),
+        &session,
+    )
+    .await;
+    assert_eq!(r.header("x-tandem-pod"), Some(away.name.as_str()));
+    gone.group_ready = true;
+    s.tx.send_replace(Arc::new(targets(vec![gone, other])));
+    let r = send(
+        s.addr,
+        "/v1/chat/completions",
+        &chat("y", "hi", false),
+        &session,
+    )
+    .await;
+    assert_eq!(r.header("x-tandem-pod"), Some(away.name.as_str()));
+    assert_eq!(r.header("x-tandem-route"), Some("session"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_groups_ready_at_their_current_incarnation_get_requests() {
+    let ready = StandIn::start("ready", Behavior::Answer).await;
+    let not_ready = StandIn::start("not-ready", Behavior::Answer).await;
+    let old = StandIn::start("old", Behavior::Answer).await;
+    let mut nr = not_ready.target(1);
+    nr.group_ready = false;
+    let mut stale = old.target(2);
+    stale.group_incarnation = 2;
+    let s = Setup::new(
+        RouterConfig::default(),
+        vec![nr.clone(), ready.target(0), stale.clone()],
+    )
+    .await;
+    for i in 0..12 {
+        let r = send(
+            s.addr,
+            "/v1/chat/completions",
+            &chat(&system_prompt(i, 3), "hi", false),
+            &[],
+        )
+        .await;
+        assert_eq!(r.json()["pod"], "ready");
+    }
+    assert_eq!((not_ready.requests(), old.requests()), (0, 0));
+    s.tx.send_replace(Arc::new(targets(vec![nr, stale])));
+    let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", false), &[]).await;
+    assert_eq!(r.status, 503);
+    let v = r.json();
+    assert_eq!(v["error"]["code"], "no_ready_group");
+    assert_eq!(v["error"]["message"], "no group is ready: test");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(s.outcome("no_ready_group"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_the_bound_is_refused_413_before_any_decode_sees_it() {
+    let d = StandIn::start("d", Behavior::Answer).await;
+    let cfg = RouterConfig {
+        max_body_bytes: 1024,
+        ..RouterConfig::default()
+    };
+    let s = Setup::new(cfg, vec![d.target(0)]).await;
+    let r = send(
+        s.addr,
+        "/v1/chat/completions",
+        &chat(&"x".repeat(2000), "hi", false),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 413, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["error"]["code"], "body_too_large");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("1024 bytes")
+    );
+    assert_eq!(d.requests(), 0);
+    assert_eq!(s.outcome("body_too_large"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_are_required_and_refusals_are_openai_errors() {
+    let d = StandIn::start("d", Behavior::Answer).await;
+    let cfg = RouterConfig {
+        api_keys: ApiKeys::from_parts(Some("sk-right"), None).unwrap(),
+        upstream_key: Some(tandem_router::Secret("sk-decode".into())),
+        ..RouterConfig::default()
+    };
+    let s = Setup::new(cfg, vec![d.target(0)]).await;
+    let body = chat("x", "hi", false);
+    let r = send(s.addr, "/v1/chat/completions", &body, &[]).await;
+    assert_eq!(r.status, 401);
+    assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    let v = r.json();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_eq!(v["error"]["code"], "missing_api_key");
+    let r = send(
+        s.addr,
+        "/v1/chat/completions",
+        &body,
+        &[("authorization", "Bearer sk-wrong")],
+    )
+    .await;
+    assert_eq!(
+        (r.status, r.json()["error"]["code"].as_str()),
+        (401, Some("invalid_api_key"))
+    );
+    assert!(
+        !r.body.contains("sk-wrong"),
+        "a key is never echoed: {}",
+        r.body
+    );
+    assert_eq!(d.requests(), 0);
+    let r = send(
+        s.addr,
+        "/v1/chat/completions",
+        &body,
+        &[("authorization", "Bearer sk-right")],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    // The decode gets the router's own key, not the client's.
+    assert_eq!(
+        d.auth_seen.lock().unwrap().as_slice(),
+        &[Some("Bearer sk-decode".to_string())]
+    );
+    assert_eq!(s.outcome("unauthorized"), 2.0);
+    assert_eq!(
+        s.metric("tandem_router_auth_refusals_total{reason=\"missing_api_key\"}"),
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_ignores_prefixes_and_load() {
+    let decodes = [
+        StandIn::start("d0", Behavior::Answer).await,
+        StandIn::start("d1", Behavior::Answer).await,
+        StandIn::start("d2", Behavior::Answer).await,
+    ];
+    let cfg = RouterConfig {
+        policy: PolicyConfig {
+            mode: Mode::RoundRobin,
+            ..PolicyConfig::default()
+        },
+        ..RouterConfig::default()
+    };
+    let s = Setup::new(
+        cfg,
+        decodes
+            .iter()
+            .enumerate()
+            .map(|(g, d)| d.target(g as i32))
+            .collect(),
+    )
+    .await;
+    let body = chat(&system_prompt(0, 25), "hi", false);
+    let mut pods = Vec::new();
+    for _ in 0..6 {
+        let r = send(s.addr, "/v1/chat/completions", &body, &[]).await;
+        pods.push(r.json()["pod"].as_str().unwrap().to_string());
+    }
+    assert_eq!(pods, ["d0", "d1", "d2", "d0", "d1", "d2"]);
+    assert!(
+        decodes
+            .iter()
+            .all(|d| d.prompt_key_calls.load(Ordering::SeqCst) == 0)
+    );
+}
