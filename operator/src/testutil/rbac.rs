@@ -220,15 +220,16 @@ mod tests {
     #[test]
     fn the_check_refuses_what_the_install_does_not_grant() {
         for (method, uri) in [
-            (
-                Method::GET,
-                "/api/v1/namespaces/default/secrets/demo-g0-key",
-            ),
+            // A group key is read (to sign an in-place reset), never written.
             (
                 Method::PATCH,
                 "/api/v1/namespaces/default/secrets/demo-g0-key",
             ),
             (Method::GET, "/api/v1/nodes"),
+            (
+                Method::GET,
+                "/api/v1/namespaces/default/configmaps/demo",
+            ),
             (
                 Method::PUT,
                 "/apis/tandem.dev/v1alpha1/namespaces/d/pddeployments/x",
