@@ -1,6 +1,7 @@
 //! Property tests: random sequences of cluster events against the simulated cluster.
 //! The simulator asserts after every reconcile:
-//! - I1 no decode pod coexists with a prefill pod of another incarnation in its group;
+//! - I1 no decode pod serves beside a prefill pod of another incarnation in its group, or
+//!   runs ahead of one (only an in-place reset puts a prefill ahead, the gate closed);
 //! - I2 no decode pod is created while a prefill pod of its incarnation is not Ready;
 //! - I3 planned restarts never take more than `maxUnavailableGroups` groups down;
 //! - I5 with `restart.policy: None` no pod is deleted except by a scale-down;

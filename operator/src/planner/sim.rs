@@ -355,13 +355,13 @@ impl Sim {
 
     /// Invariants over the whole cluster after a reconcile.
     fn check_after(&self) {
-        // I1: a decode pod never coexists with a prefill pod of another incarnation in
-        // its group (terminating pods included: they may still be serving) — but during
-        // an in-place reset, where the prefill is ahead (prefill first), the group is
-        // `Resetting` between exactly those two incarnations and the decode's gate is
-        // closed (it takes no traffic; the prefill refuses its old incarnation anyway); or
-        // after such a reset fell back, while both are being removed (`Restarting` at a
-        // newer incarnation than either) or its group is scaled away.
+        // I1: a decode pod never serves beside a prefill pod of another incarnation in its
+        // group, and is never ahead of one (terminating pods included: they may still be
+        // serving). Only an in-place reset moves a prefill ahead of its decode (prefill
+        // first), and the decode's gate is then closed until both serve one incarnation
+        // (the prefill refuses the decode's old incarnation at the handshake anyway); the
+        // pair may stay so while the group is torn down or held back (a co-restart
+        // waiting for its backoff), never serving.
         for d in self.pods.values().filter(|p| p.role == Role::Decode) {
             for p in self
                 .pods
@@ -375,18 +375,8 @@ impl Sim {
                     .status
                     .as_ref()
                     .and_then(|s| s.group_statuses.iter().find(|g| g.index == d.group));
-                let resetting = g.is_some_and(|g| {
-                    (g.phase == GroupPhase::Resetting
-                        && g.reset
-                            .as_ref()
-                            .is_some_and(|r| r.from_incarnation == d.incarnation)
-                        && g.incarnation == p.incarnation)
-                        || (g.phase == GroupPhase::Restarting
-                            && g.incarnation > d.incarnation.max(p.incarnation))
-                        || g.phase == GroupPhase::ScalingDown
-                });
                 assert!(
-                    resetting && !d.group_ready_gate,
+                    p.incarnation > d.incarnation && !d.group_ready_gate,
                     "I1: decode {} (incarnation {}, gate {}) beside prefill {} (incarnation {}), group {:?}",
                     d.name,
                     d.incarnation,
