@@ -221,10 +221,6 @@ mod tests {
     fn the_check_refuses_what_the_install_does_not_grant() {
         for (method, uri) in [
             (
-                Method::GET,
-                "/api/v1/namespaces/default/secrets/demo-g0-key",
-            ),
-            (
                 Method::PATCH,
                 "/api/v1/namespaces/default/secrets/demo-g0-key",
             ),
