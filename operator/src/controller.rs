@@ -152,6 +152,9 @@ pub struct Context {
     pub ready: Arc<dyn ReadyFetcher>,
     /// Makes in-place reset calls to pods (HTTP; canned in tests).
     pub resetter: Arc<dyn ResetCaller>,
+    /// The image of `spec.router`'s pods (`TANDEM_ROUTER_IMAGE`; the chart sets the
+    /// operator's own image, which serves `tandem-operator router`).
+    pub router_image: Option<String>,
     /// Consecutive failed reconciles per `namespace/name`, for the error backoff.
     failures: Mutex<HashMap<String, u32>>,
 }
@@ -166,8 +169,15 @@ impl Context {
             clock: Arc::new(Timestamp::now),
             ready: Arc::new(HttpFetcher::default()),
             resetter: Arc::new(HttpResetCaller),
+            router_image: None,
             failures: Mutex::default(),
         }
+    }
+
+    /// Run `spec.router`'s pods from `image`.
+    pub fn with_router_image(mut self, image: Option<String>) -> Self {
+        self.router_image = image;
+        self
     }
 
     /// Read `/ready` bodies with `fetcher` (tests).
@@ -314,5 +324,7 @@ mod mock_api;
 mod observe_tests;
 #[cfg(test)]
 mod reset_tests;
+#[cfg(test)]
+mod router_tests;
 #[cfg(test)]
 mod tests;

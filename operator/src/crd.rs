@@ -93,6 +93,10 @@ pub struct PDDeploymentSpec {
     pub restart: RestartSpec,
     #[serde(default)]
     pub rollout: RolloutSpec,
+    /// A router for this deployment (absent: none; the client Service `<name>` spreads
+    /// requests over Ready groups' decodes). Not part of the revision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<RouterSpec>,
 }
 
 fn default_groups() -> i32 {
@@ -847,6 +851,8 @@ pub mod annotations {
 }
 
 pub mod args_rules;
+mod router;
+pub use router::{RouterServiceType, RouterSpec};
 
 #[cfg(test)]
 mod tests;

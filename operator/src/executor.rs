@@ -12,6 +12,8 @@
 //! | action | method |
 //! | --- | --- |
 //! | `ApplyClientService` | [`Executor::apply_client_service`] |
+//! | `ApplyRouter` | [`Executor::apply_router`] |
+//! | `DeleteRouter` | [`Executor::delete_router`] |
 //! | `ApplyGroupService` | [`Executor::apply_group_service`] |
 //! | `ApplyNetworkPolicy` | [`Executor::apply_network_policy`] |
 //! | `CreateGroupSecret` | [`Executor::create_group_secret`] |
@@ -43,6 +45,11 @@ pub trait Executor {
 
     /// The client Service `<name>` (decode pods of Ready groups).
     async fn apply_client_service(&mut self, now: Timestamp) -> Result<(), Self::Error>;
+    /// The router's objects (`spec.router`): on a cluster a Deployment of
+    /// `tandem-operator router`, its Service and its own RBAC.
+    async fn apply_router(&mut self, now: Timestamp) -> Result<(), Self::Error>;
+    /// Remove the router's objects (`spec.router` was removed).
+    async fn delete_router(&mut self, now: Timestamp) -> Result<(), Self::Error>;
     /// A group's headless bootstrap Service.
     async fn apply_group_service(&mut self, group: i32, now: Timestamp) -> Result<(), Self::Error>;
     /// A group's NetworkPolicy (KV port only from its decodes).
@@ -134,6 +141,8 @@ pub async fn execute<E: Executor>(
 ) -> Result<(), E::Error> {
     match action {
         PlannedAction::ApplyClientService => executor.apply_client_service(now).await,
+        PlannedAction::ApplyRouter => executor.apply_router(now).await,
+        PlannedAction::DeleteRouter => executor.delete_router(now).await,
         PlannedAction::ApplyGroupService { group } => {
             executor.apply_group_service(*group, now).await
         }

@@ -1,6 +1,7 @@
 //! Tandem operator: reconciles `PDDeployment` resources into bootstrap groups of
 //! prefill + decode pods that are created, co-restarted and rolled as units.
 
+pub mod cluster_router;
 pub mod controller;
 pub mod crd;
 pub mod executor;

@@ -58,6 +58,28 @@ enum Command {
     /// Run one PDDeployment on this machine: the same planner, local tandem-dataplane
     /// processes instead of pods, an OpenAI endpoint on localhost.
     Local(LocalArgs),
+    /// The router of one PDDeployment on a cluster (the operator runs it for
+    /// `spec.router`): follows the PDDeployment's status and its decode pods through the
+    /// API server and routes `/v1/*` to decodes of groups Ready at their incarnation.
+    Router(RouterArgs),
+}
+
+#[derive(Args, Debug)]
+struct RouterArgs {
+    /// Namespace of the PDDeployment.
+    #[arg(long, env = "POD_NAMESPACE")]
+    namespace: String,
+    /// Name of the PDDeployment.
+    #[arg(long)]
+    deployment: String,
+    /// Port of the OpenAI endpoint, /health, /ready and /metrics.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// A directory whose every file holds accepted API keys (a mounted Secret).
+    #[arg(long)]
+    api_key_dir: Option<PathBuf>,
+    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
+    log_format: LogFormat,
 }
 
 #[derive(Args, Debug)]
@@ -124,6 +146,10 @@ struct ControllerArgs {
     identity: Option<String>,
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
+    /// Image of the routers run for `spec.router` (the chart sets the operator's own
+    /// image, which serves `tandem-operator router`).
+    #[arg(long, env = "TANDEM_ROUTER_IMAGE")]
+    router_image: Option<String>,
 }
 
 fn filter() -> EnvFilter {
@@ -145,6 +171,11 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Local(args)) => run_local(args),
+        Some(Command::Router(args)) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .context("starting the tokio runtime")?
+            .block_on(run_router(args)),
         None => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()
@@ -203,6 +234,34 @@ fn run_local(args: LocalArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The cluster router until SIGTERM/SIGINT (or its watches end for good).
+async fn run_router(args: RouterArgs) -> anyhow::Result<()> {
+    use tandem_operator::cluster_router::{self, ClusterRouter};
+    init_tracing(args.log_format);
+    let api_keys = match &args.api_key_dir {
+        Some(dir) => cluster_router::api_keys_from_dir(dir).map_err(anyhow::Error::msg)?,
+        None => tandem_contract::api_keys::ApiKeys::none(),
+    };
+    let cfg = tandem_router::RouterConfig {
+        api_keys,
+        ..tandem_router::RouterConfig::default()
+    };
+    let (_, watch_client) = clients().await?;
+    let addr = SocketAddr::from(([0, 0, 0, 0], args.port));
+    let listener = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    info!(%addr, namespace = %args.namespace, deployment = %args.deployment, "routing");
+    let router = Arc::new(ClusterRouter::new(cfg));
+    tokio::select! {
+        r = cluster_router::run(watch_client, &args.namespace, &args.deployment, listener, router) => {
+            r.context("routing")?;
+        }
+        _ = shutdown_signal() => info!("stopped"),
+    }
+    Ok(())
+}
+
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = match signal(SignalKind::terminate()) {
@@ -245,8 +304,11 @@ async fn run_controller(args: ControllerArgs) -> anyhow::Result<()> {
         controller: "tandem-operator".into(),
         instance: Some(identity.clone()),
     };
-    let ctx =
-        Arc::new(Context::new(client, metrics.clone(), reporter).with_watch_client(watch_client));
+    let ctx = Arc::new(
+        Context::new(client, metrics.clone(), reporter)
+            .with_watch_client(watch_client)
+            .with_router_image(args.router_image.clone()),
+    );
     readiness.set_controller_started(true);
     let leader = election.as_ref().map(|e| e.leader.clone());
     let run = run_until_stopped(ctx, args.namespace.as_deref(), stop, leader).await;

@@ -42,6 +42,12 @@ pub fn network_policy_name(deployment: &str, group: i32) -> String {
     format!("{deployment}-g{group}-kv")
 }
 
+/// Name of the router's Deployment, Service, ServiceAccount, Role and RoleBinding
+/// (`spec.router`; `<name>-router` fits whenever `<name>` does).
+pub fn router_name(deployment: &str) -> String {
+    format!("{deployment}-router")
+}
+
 /// Hostname of the prefill pod with replica index `index` (its DNS name is
 /// `<hostname>.<group service>.<namespace>.svc`).
 pub fn prefill_hostname(index: i32) -> String {

@@ -111,6 +111,8 @@ pub struct ReadyDetail {
 pub struct Observed {
     pub pods: Vec<ObservedPod>,
     pub client_service: bool,
+    /// The router's objects exist (its Service `<name>-router`, ours, was seen).
+    pub router: bool,
     pub group_services: BTreeSet<i32>,
     pub network_policies: BTreeSet<i32>,
     pub group_secrets: BTreeSet<i32>,
@@ -251,6 +253,11 @@ pub struct PlannedEvent {
 #[derive(Debug, Clone, PartialEq)]
 pub enum PlannedAction {
     ApplyClientService,
+    /// Apply the router's objects (`spec.router` is set): its ServiceAccount, Role,
+    /// RoleBinding, Deployment and Service.
+    ApplyRouter,
+    /// Delete the router's objects (`spec.router` was removed).
+    DeleteRouter,
     ApplyGroupService {
         group: i32,
     },
@@ -500,6 +507,12 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     // Services and NetworkPolicies are applied on every reconcile: a no-op apply costs
     // nothing, and drift (a `kubectl edit`, an operator upgrade) is corrected.
     ctx.actions.push(PlannedAction::ApplyClientService);
+    // The router follows `spec.router` the same way; it decides nothing about groups.
+    if input.spec.router.is_some() {
+        ctx.actions.push(PlannedAction::ApplyRouter);
+    } else if input.observed.router {
+        ctx.actions.push(PlannedAction::DeleteRouter);
+    }
 
     // Every group index that is desired, remembered or still has pods.
     let mut indices: BTreeSet<i32> = (0..desired_groups).collect();
@@ -694,6 +707,8 @@ mod grace_tests;
 mod props;
 #[cfg(test)]
 mod reset_tests;
+#[cfg(test)]
+mod router_tests;
 #[cfg(test)]
 mod sim;
 #[cfg(test)]

@@ -54,6 +54,11 @@ const LIVENESS_FAILURE_THRESHOLD: i32 = 3;
 pub enum BuildError {
     #[error("PDDeployment has no {0}")]
     Missing(&'static str),
+    /// `spec.router` is set but the operator was not told which image runs the router.
+    #[error(
+        "spec.router is set but the operator has no router image: set TANDEM_ROUTER_IMAGE (the chart sets the operator's own image)"
+    )]
+    NoRouterImage,
 }
 
 /// Controller owner reference to the deployment (`controller: true`,
@@ -656,6 +661,12 @@ pub fn group_secret(pdd: &PDDeployment, group: i32, key: &str) -> Result<Secret,
         ..Default::default()
     })
 }
+
+mod router;
+pub use router::{
+    API_KEY_DIR, ROUTER_LABEL, router_deployment, router_pod_labels, router_role,
+    router_role_binding, router_service, router_service_account,
+};
 
 #[cfg(test)]
 mod tests;

@@ -27,5 +27,6 @@ pub fn spec(groups: i32) -> PDDeploymentSpec {
         health: HealthSpec::default(),
         restart: RestartSpec::default(),
         rollout: RolloutSpec::default(),
+        router: None,
     }
 }

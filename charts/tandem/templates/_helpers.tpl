@@ -84,6 +84,19 @@ exist yet is authorized as create as well as patch. */}}
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get, list, watch, create, delete]
+# spec.router: the router's Deployment, Service (above), ServiceAccount, and a Role and
+# RoleBinding that grant its pods get/list/watch of their PDDeployment and list/watch of
+# pods, which this role holds itself (so no escalate or bind is needed). Applied and
+# deleted, never listed: the router's Service stands for them in the Service list.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [create, patch, delete]
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [create, patch, delete]
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create, patch]

@@ -1,8 +1,10 @@
 //! Carrying out the planner's actions on the API server: server-side apply of Services
 //! and NetworkPolicies, create-only Secrets and pods, deletes, and the readiness-gate patch.
 
-use k8s_openapi::api::core::v1::{Pod, Secret, Service};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::rbac::v1::{Role as RbacRole, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
@@ -130,6 +132,45 @@ impl Executor for KubeExecutor<'_> {
         check_not_foreign(self.foreign, "service", &self.name)?;
         let svc = resources::client_service(self.pdd)?;
         server_side_apply(&self.api::<Service>(), &svc, "service").await
+    }
+
+    /// Its RBAC first (the pods read the API server from their start), then the
+    /// Deployment and the Service. Every object is `<name>-router`; only the Service is
+    /// observed (a foreign one stops all five).
+    async fn apply_router(&mut self, _now: Timestamp) -> Result<(), Error> {
+        let name = names::router_name(&self.name);
+        check_not_foreign(self.foreign, "service", &name)?;
+        let image = self
+            .ctx
+            .router_image
+            .as_deref()
+            .ok_or(resources::BuildError::NoRouterImage)?;
+        let sa = resources::router_service_account(self.pdd)?;
+        server_side_apply(&self.api::<ServiceAccount>(), &sa, "service account").await?;
+        let role = resources::router_role(self.pdd)?;
+        server_side_apply(&self.api::<RbacRole>(), &role, "role").await?;
+        let binding = resources::router_role_binding(self.pdd)?;
+        server_side_apply(&self.api::<RoleBinding>(), &binding, "role binding").await?;
+        let deployment = resources::router_deployment(self.pdd, image)?;
+        server_side_apply(&self.api::<Deployment>(), &deployment, "deployment").await?;
+        let svc = resources::router_service(self.pdd)?;
+        server_side_apply(&self.api::<Service>(), &svc, "service").await
+    }
+
+    /// The Service last: it is what the next reconcile observes, so a delete that stopped
+    /// half-way is asked again.
+    async fn delete_router(&mut self, _now: Timestamp) -> Result<(), Error> {
+        let name = names::router_name(&self.name);
+        if self.foreign.contains_key(&("service", name.clone())) {
+            return Ok(());
+        }
+        info!(deployment = %self.name, "spec.router removed: deleting the router");
+        let dp = DeleteParams::default();
+        delete(&self.api::<Deployment>(), &name, "deployment", &dp).await?;
+        delete(&self.api::<RoleBinding>(), &name, "role binding", &dp).await?;
+        delete(&self.api::<RbacRole>(), &name, "role", &dp).await?;
+        delete(&self.api::<ServiceAccount>(), &name, "service account", &dp).await?;
+        delete(&self.api::<Service>(), &name, "service", &dp).await
     }
 
     async fn apply_group_service(&mut self, group: i32, _now: Timestamp) -> Result<(), Error> {

@@ -59,6 +59,7 @@ pub(super) fn status_after(prev: Option<&PDDeploymentStatus>, pods: &[Pod]) -> P
     let observed = Observed {
         pods: pods.iter().map(|p| observe_pod(p).unwrap()).collect(),
         client_service: true,
+        router: false,
         group_services: [0].into(),
         network_policies: [0].into(),
         group_secrets: [0].into(),
@@ -403,8 +404,11 @@ impl ReadyFetcher for FakeReady {
 #[derive(Clone, Default)]
 pub(super) struct FakeResetter {
     pub(super) answers: HashMap<SocketAddr, crate::reset_call::ResetReply>,
-    pub(super) calls: Arc<Mutex<Vec<(SocketAddr, Role, i64, String)>>>,
+    pub(super) calls: Arc<Mutex<Vec<ResetCall>>>,
 }
+
+/// One recorded reset call: address, role, incarnation, key.
+pub(super) type ResetCall = (SocketAddr, Role, i64, String);
 
 impl crate::reset_call::ResetCaller for FakeResetter {
     fn call(

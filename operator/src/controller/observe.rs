@@ -351,6 +351,14 @@ pub(super) async fn observe(
         .map_err(Error::kube("listing services"))?;
     for s in &services.items {
         let sname = s.name_any();
+        if sname == names::router_name(name) {
+            if ours(&s.metadata) {
+                observed.router = true;
+            } else {
+                foreign.insert(("service", sname), describe_owner(&s.metadata));
+            }
+            continue;
+        }
         let group = names::group_of(name, &sname, "-bootstrap");
         if sname != name && group.is_none() {
             continue;

@@ -9,6 +9,7 @@
 //! | `ResetMember` | `POST /admin/reset` to the pod, then its incarnation label moved on | the same call, in the background ([`Processes::reset`]); its answer ([`LocalExecutor::on_reset`]) moves the member's incarnation on |
 //! | `CreateGroupSecret` | create the Secret with a random key | keep a random key in memory, given to the group's members |
 //! | `ApplyClientService` | apply the client Service | the router is already listening: recorded |
+//! | `ApplyRouter`, `DeleteRouter` | apply / delete the router's Deployment, Service and RBAC | the endpoint already is the router: recorded |
 //! | `ApplyGroupService`, `ApplyNetworkPolicy` | apply | nothing to do on loopback: recorded |
 //! | `DeleteGroupResources` | delete the three objects | forget the key and the records |
 //! | `Event` | publish a Kubernetes Event | a line in the record and the log |
@@ -89,6 +90,7 @@ pub struct Endpoint {
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct LocalObjects {
     pub client_service: bool,
+    pub router: bool,
     pub group_services: BTreeSet<i32>,
     pub network_policies: BTreeSet<i32>,
     /// Group → key.
@@ -148,6 +150,7 @@ impl<P: Processes> LocalExecutor<P> {
         Observed {
             pods: self.members.values().map(Member::observe).collect(),
             client_service: self.objects.client_service,
+            router: self.objects.router,
             group_services: self.objects.group_services.clone(),
             network_policies: self.objects.network_policies.clone(),
             group_secrets: self.objects.keys.keys().copied().collect(),
@@ -700,6 +703,18 @@ impl<P: Processes> Executor for LocalExecutor<P> {
     /// The router is already listening: recorded.
     async fn apply_client_service(&mut self, _now: Timestamp) -> Result<(), String> {
         self.objects.client_service = true;
+        Ok(())
+    }
+
+    /// The endpoint already is the router (`spec.router` asks for one on a cluster):
+    /// recorded.
+    async fn apply_router(&mut self, _now: Timestamp) -> Result<(), String> {
+        self.objects.router = true;
+        Ok(())
+    }
+
+    async fn delete_router(&mut self, _now: Timestamp) -> Result<(), String> {
+        self.objects.router = false;
         Ok(())
     }
 

@@ -103,6 +103,8 @@ impl Sim {
         let o = &mut self.observed_objects;
         match a {
             PlannedAction::ApplyClientService => o.client_service = true,
+            PlannedAction::ApplyRouter => o.router = true,
+            PlannedAction::DeleteRouter => o.router = false,
             PlannedAction::ApplyGroupService { group } => {
                 o.group_services.insert(*group);
             }

@@ -226,10 +226,7 @@ mod tests {
                 "/api/v1/namespaces/default/secrets/demo-g0-key",
             ),
             (Method::GET, "/api/v1/nodes"),
-            (
-                Method::GET,
-                "/api/v1/namespaces/default/configmaps/demo",
-            ),
+            (Method::GET, "/api/v1/namespaces/default/configmaps/demo"),
             (
                 Method::PUT,
                 "/apis/tandem.dev/v1alpha1/namespaces/d/pddeployments/x",

@@ -1,0 +1,376 @@
+//! The cluster router (`tandem-operator router`): the host of `tandem-router` that the
+//! operator runs as a Deployment for a PDDeployment with `spec.router` (docs/routing.md,
+//! "On a cluster"). The same policy, proxy, retry and metrics as the local runtime's
+//! endpoint; only the list of decodes comes from elsewhere: the PDDeployment's status
+//! (each group's phase and current incarnation) and its decode pods (pod IP, HTTP port,
+//! incarnation label, the `tandem.dev/group-ready` gate), watched through the API server.
+//!
+//! Served besides `/v1/*`, never behind the API keys: `/health` (the process answers),
+//! `/ready` (some group can take traffic) and `/metrics` (`tandem_router_*`).
+
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use kube::{Client, ResourceExt};
+use prometheus_client::registry::Registry;
+use tandem_router::proxy::{error, full};
+use tandem_router::{Body, RouterConfig, Target, Targets};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::crd::{GroupPhase, PDDeployment, PDDeploymentStatus, conditions, labels};
+use crate::resources::{CONTAINER, HTTP_PORT_NAME};
+use crate::role::Role;
+
+/// Longest a client may take to send a request head.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("the watch of {what} ended")]
+    WatchEnded { what: &'static str },
+}
+
+/// The decodes the router may use: every decode pod of `deployment` with a pod IP, not
+/// terminating, whose `tandem.dev/group-ready` gate is open, with its group's phase and
+/// current incarnation from `status` (only those of groups Ready at it are chosen).
+/// `http_port` is the spec's, for a pod that does not name its `http` port.
+pub fn targets_from(
+    status: Option<&PDDeploymentStatus>,
+    pods: &[Arc<Pod>],
+    deployment: &str,
+    http_port: i32,
+) -> Targets {
+    let groups = status
+        .map(|s| s.group_statuses.as_slice())
+        .unwrap_or_default();
+    let mut targets: Vec<Target> = pods
+        .iter()
+        .filter_map(|p| decode_target(p, deployment, http_port))
+        .map(|(pod, group, incarnation, addr)| {
+            let g = groups.iter().find(|g| g.index == group);
+            Target {
+                pod,
+                group,
+                incarnation,
+                addr,
+                group_ready: g.is_some_and(|g| g.phase == GroupPhase::Ready),
+                group_incarnation: g.map_or(-1, |g| g.incarnation),
+            }
+        })
+        .collect();
+    targets.sort_by(|a, b| (a.group, &a.pod).cmp(&(b.group, &b.pod)));
+    let unavailable = if status.is_none() {
+        format!("no group is ready: PDDeployment {deployment} has no status yet")
+    } else if targets.is_empty() {
+        let why: Vec<String> = groups
+            .iter()
+            .map(|g| {
+                format!(
+                    "group {} is {:?} at incarnation {}",
+                    g.index, g.phase, g.incarnation
+                )
+            })
+            .collect();
+        format!(
+            "no group is ready: no decode pod has its group gate open ({})",
+            why.join("; ")
+        )
+    } else {
+        let why: Vec<String> = targets
+            .iter()
+            .map(|t| {
+                let phase = groups
+                    .iter()
+                    .find(|g| g.index == t.group)
+                    .map_or("unknown".to_string(), |g| format!("{:?}", g.phase));
+                format!(
+                    "group {} is {phase} at incarnation {} (decode {} serves at incarnation {})",
+                    t.group, t.group_incarnation, t.pod, t.incarnation
+                )
+            })
+            .collect();
+        format!("no group is ready: {}", why.join("; "))
+    };
+    Targets {
+        targets,
+        unavailable,
+    }
+}
+
+/// (pod, group, incarnation, address) of a serving decode pod of `deployment`.
+fn decode_target(
+    pod: &Pod,
+    deployment: &str,
+    http_port: i32,
+) -> Option<(String, i32, i64, SocketAddr)> {
+    let l = pod.labels();
+    if l.get(labels::DEPLOYMENT).map(String::as_str) != Some(deployment)
+        || l.get(labels::ROLE).map(String::as_str) != Some(Role::Decode.as_str())
+        || pod.metadata.deletion_timestamp.is_some()
+    {
+        return None;
+    }
+    let group = l.get(labels::GROUP)?.parse::<i32>().ok()?;
+    let incarnation = l.get(labels::INCARNATION)?.parse::<i64>().ok()?;
+    let status = pod.status.as_ref()?;
+    let gate_open = status
+        .conditions
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .any(|c| c.type_ == conditions::GROUP_READY && c.status == "True");
+    if !gate_open {
+        return None;
+    }
+    let ip: IpAddr = status.pod_ip.as_deref()?.parse().ok()?;
+    let port = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.iter().find(|c| c.name == CONTAINER))
+        .and_then(|c| c.ports.as_ref())
+        .and_then(|ps| {
+            ps.iter()
+                .find(|p| p.name.as_deref() == Some(HTTP_PORT_NAME))
+        })
+        .map_or(http_port, |p| p.container_port);
+    let port = u16::try_from(port).ok()?;
+    Some((
+        pod.name_any(),
+        group,
+        incarnation,
+        SocketAddr::new(ip, port),
+    ))
+}
+
+/// Where the router's keys come from: every file of `dir` (a mounted Secret: one file per
+/// key of the Secret, each holding one key or several, one a line). Names starting with
+/// `.` are the volume's own bookkeeping.
+pub fn api_keys_from_dir(
+    dir: &std::path::Path,
+) -> Result<tandem_contract::api_keys::ApiKeys, String> {
+    let mut text = String::new();
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut names: Vec<_> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| !n.starts_with('.'))
+                && p.is_file()
+        })
+        .collect();
+    names.sort();
+    for p in &names {
+        let t = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        text.push_str(&t);
+        text.push('\n');
+    }
+    let name = dir.display().to_string();
+    tandem_contract::api_keys::ApiKeys::from_parts(None, Some((&name, &text)))
+        .map_err(|e| e.to_string())
+}
+
+/// The router of one PDDeployment.
+pub struct ClusterRouter {
+    registry: Registry,
+    targets: watch::Sender<Arc<Targets>>,
+    inner: tandem_router::Router,
+}
+
+impl ClusterRouter {
+    pub fn new(cfg: RouterConfig) -> Self {
+        let (targets, rx) = watch::channel(Arc::new(Targets {
+            targets: vec![],
+            unavailable: "no group is ready: the router has not read the PDDeployment yet".into(),
+        }));
+        let mut registry = Registry::with_prefix("tandem_router");
+        let inner = tandem_router::Router::new(cfg, rx, &mut registry);
+        Self {
+            registry,
+            targets,
+            inner,
+        }
+    }
+
+    /// Publish a new list of decodes.
+    pub fn set_targets(&self, t: Targets) {
+        self.targets.send_replace(Arc::new(t));
+    }
+}
+
+/// Follow `deployment`'s status and decode pods in `namespace`, poll the decodes and serve
+/// `listener`, until a watch ends (never, short of the API server going away for good:
+/// watch errors are retried with backoff).
+pub async fn run(
+    client: Client,
+    namespace: &str,
+    deployment: &str,
+    listener: TcpListener,
+    router: Arc<ClusterRouter>,
+) -> Result<(), Error> {
+    let pods_api = Api::<Pod>::namespaced(client.clone(), namespace);
+    let pdd_api = Api::<PDDeployment>::namespaced(client, namespace);
+    let selector = format!(
+        "{}={deployment},{}={}",
+        labels::DEPLOYMENT,
+        labels::ROLE,
+        Role::Decode.as_str()
+    );
+    let (pod_store, pod_writer) = reflector::store::<Pod>();
+    let (pdd_store, pdd_writer) = reflector::store::<PDDeployment>();
+    let pods = reflector(
+        pod_writer,
+        watcher(pods_api, watcher::Config::default().labels(&selector)),
+    )
+    .default_backoff()
+    .map(|e| e.map(|_| ()).map_err(|e| ("pods", e)));
+    let pdds = reflector(
+        pdd_writer,
+        watcher(
+            pdd_api,
+            watcher::Config::default().fields(&format!("metadata.name={deployment}")),
+        ),
+    )
+    .default_backoff()
+    .map(|e| e.map(|_| ()).map_err(|e| ("pddeployment", e)));
+    let follow = {
+        let router = router.clone();
+        async move {
+            let mut events = std::pin::pin!(futures::stream::select(pods, pdds));
+            let mut last_eligible = usize::MAX;
+            while let Some(ev) = events.next().await {
+                if let Err((what, e)) = ev {
+                    warn!(what, deployment, "watch failed (retried): {e}");
+                    continue;
+                }
+                let pdd = pdd_store.state().into_iter().next();
+                let http_port = pdd.as_ref().map_or(8000, |p| p.spec.transfer.http_port);
+                let status = pdd.as_ref().and_then(|p| p.status.as_ref());
+                let t = targets_from(status, &pod_store.state(), deployment, http_port);
+                let eligible = t.eligible();
+                if eligible != last_eligible {
+                    info!(
+                        deployment,
+                        eligible,
+                        decodes = t.targets.len(),
+                        "decodes to route to"
+                    );
+                    last_eligible = eligible;
+                }
+                router.set_targets(t);
+            }
+        }
+    };
+    let poll = router.inner.poller().run();
+    tokio::select! {
+        _ = follow => Err(Error::WatchEnded { what: "pods or the PDDeployment" }),
+        _ = poll => Ok(()),
+        _ = accept(listener, router.clone()) => Ok(()),
+    }
+}
+
+async fn accept(listener: TcpListener, router: Arc<ClusterRouter>) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                warn!("accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let router = router.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req| {
+                let router = router.clone();
+                async move { Ok::<_, Infallible>(router.handle(req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+fn text(status: StatusCode, content_type: &'static str, body: String) -> Response<Body> {
+    let mut r = Response::new(full(body));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+impl ClusterRouter {
+    pub async fn handle<B>(&self, req: Request<B>) -> Response<Body>
+    where
+        B: hyper::body::Body<Data = bytes::Bytes>,
+        B::Error: Into<tandem_router::BoxError>,
+    {
+        let path = req.uri().path().to_string();
+        if path.starts_with("/v1/") {
+            return self.inner.forward(req).await;
+        }
+        match (req.method(), path.as_str()) {
+            (&Method::GET, "/health") => text(
+                StatusCode::OK,
+                "application/json",
+                r#"{"status":"ok"}"#.into(),
+            ),
+            (&Method::GET, "/ready") => {
+                let t = self.inner.targets();
+                if t.eligible() == 0 {
+                    return error(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "no_ready_group",
+                        &t.unavailable,
+                    );
+                }
+                let endpoints: Vec<serde_json::Value> = t
+                    .targets
+                    .iter()
+                    .filter(|t| t.eligible())
+                    .map(|t| serde_json::json!({"pod": t.pod, "group": t.group, "incarnation": t.incarnation, "addr": t.addr}))
+                    .collect();
+                let body = serde_json::json!({"ready": true, "endpoints": endpoints});
+                text(StatusCode::OK, "application/json", body.to_string())
+            }
+            (&Method::GET, "/metrics") => {
+                let mut s = String::new();
+                match prometheus_client::encoding::text::encode(&mut s, &self.registry) {
+                    Ok(()) => text(
+                        StatusCode::OK,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        s,
+                    ),
+                    Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "metrics", &e.to_string()),
+                }
+            }
+            _ => error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                &format!(
+                    "no route for {} {path}: the OpenAI API is under /v1/, the router's own endpoints are /health, /ready and /metrics",
+                    req.method()
+                ),
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
