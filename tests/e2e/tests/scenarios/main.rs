@@ -36,6 +36,7 @@ mod s17_placement;
 mod s18_helm_upgrade;
 mod s19_helm_uninstall;
 mod s20_in_place;
+mod s21_router;
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -131,6 +132,9 @@ const SCENARIOS: &[Scenario] = &[
     }),
     ("s20_in_place", Lane::Main, Duration::from_secs(240), |e| {
         Box::pin(s20_in_place::run(e))
+    }),
+    ("s21_router", Lane::Main, Duration::from_secs(300), |e| {
+        Box::pin(s21_router::run(e))
     }),
     ("s14_sigterm", Lane::Main, Duration::from_secs(300), |e| {
         Box::pin(s14_sigterm::run(e))

@@ -1,0 +1,178 @@
+//! Scenario 21: the router the operator runs for a PDDeployment with `spec.router`. Its
+//! Deployment (the operator's image, `tandem-operator router`) becomes Ready under the
+//! restricted Pod Security profile; chats through its Service reach the decodes of both
+//! groups; while one group's decode is SIGKILLed and the group co-restarts, a steady load
+//! through the router fails no request (Ready groups only, one retry before the first
+//! byte); afterwards the co-restarted group gets traffic again. Prints the counts.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::ListParams;
+use kube::{Api, ResourceExt};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tandem_e2e::env::Env;
+use tandem_e2e::{http, wait};
+
+use crate::common::*;
+
+/// Chat completions a decode has answered, from its own `/metrics`.
+async fn answered(ip: &str) -> Result<u64> {
+    let r = http::get(
+        &format!("{ip}:{HTTP_PORT}"),
+        "/metrics",
+        Duration::from_secs(5),
+    )
+    .await?;
+    Ok(r.body
+        .lines()
+        .filter(|l| {
+            l.starts_with("tandem_requests_total{")
+                && l.contains("/v1/chat/completions")
+                && l.contains("status=\"200\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64)
+}
+
+pub async fn run(env: &Env) -> Result<()> {
+    let (ns, name) = ("s21", "pd");
+    env.namespace(ns).await?;
+    let mut pdd = spec(name, 2);
+    pdd["spec"]["router"] = serde_json::json!({"replicas": 1});
+    env.kubectl.apply(ns, &yaml(&pdd)).await?;
+    wait_ready(env, ns, name, 2, Duration::from_secs(180)).await?;
+
+    let router_pods: Api<Pod> = Api::namespaced(env.cluster.client.clone(), ns);
+    let lp = ListParams::default().labels(&format!("tandem.dev/router={name}"));
+    wait::until(
+        "the router pod to be Ready",
+        Duration::from_secs(120),
+        Duration::from_millis(500),
+        || async {
+            let pods = router_pods.list(&lp).await?;
+            Ok(pods
+                .items
+                .iter()
+                .any(|p| pod_condition(p, "Ready").as_deref() == Some("True"))
+                .then_some(()))
+        },
+    )
+    .await?;
+    let svc = env
+        .kubectl
+        .json(&["get", "service", &format!("{name}-router"), "-n", ns])
+        .await?;
+    let router_ip = svc["spec"]["clusterIP"]
+        .as_str()
+        .context("the router Service has a ClusterIP")?
+        .to_string();
+
+    // Both groups get traffic through the router.
+    let d0 = member(env, ns, name, 0, "decode").await?;
+    let d1 = member(env, ns, name, 1, "decode").await?;
+    let (ip0, ip1) = (
+        pod_ip(&d0).context("decode 0 IP")?,
+        pod_ip(&d1).context("decode 1 IP")?,
+    );
+    let (before0, before1) = (answered(&ip0).await?, answered(&ip1).await?);
+    for i in 0..16 {
+        chat(&router_ip, Duration::from_secs(60))
+            .await
+            .with_context(|| format!("chat {i} through the router"))?;
+    }
+    let (n0, n1) = (
+        answered(&ip0).await? - before0,
+        answered(&ip1).await? - before1,
+    );
+    figure(
+        "chats through the router per group",
+        format!("group 0: {n0}, group 1: {n1}"),
+    );
+    ensure!(
+        n0 + n1 >= 16 && n0 > 0 && n1 > 0,
+        "both groups serve: {n0}, {n1}"
+    );
+
+    // A steady load while group 0's decode is killed: no request fails.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let load = {
+        let (stop, ok, failed, ip) = (stop.clone(), ok.clone(), failed.clone(), router_ip.clone());
+        tokio::spawn(async move {
+            let mut last_err = None;
+            while !stop.load(Ordering::SeqCst) {
+                match chat(&ip, Duration::from_secs(30)).await {
+                    Ok(_) => ok.fetch_add(1, Ordering::SeqCst),
+                    Err(e) => {
+                        last_err = Some(format!("{e:#}"));
+                        failed.fetch_add(1, Ordering::SeqCst)
+                    }
+                };
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            last_err
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let pid = env
+        .pid_of(ns, &d0.name_any())
+        .await
+        .context("decode 0 process")?;
+    kill(Pid::from_raw(pid), Signal::SIGKILL)?;
+    let p = wait::until(
+        "group 0 to be Ready at its next incarnation",
+        Duration::from_secs(120),
+        Duration::from_millis(500),
+        || async {
+            let p = get_pdd(env, ns, name).await?;
+            let g = p
+                .status
+                .as_ref()
+                .and_then(|s| s.group_statuses.first().cloned());
+            Ok(g.filter(|g| {
+                g.incarnation > incarnation(&d0)
+                    && g.phase == tandem_operator::crd::GroupPhase::Ready
+            })
+            .map(|_| ()))
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::SeqCst);
+    let last_err = load.await?;
+    p?;
+    let (ok, failed) = (ok.load(Ordering::SeqCst), failed.load(Ordering::SeqCst));
+    figure(
+        "chats through the router while group 0 co-restarts",
+        format!("{ok} ok, {failed} failed"),
+    );
+    ensure!(
+        failed == 0 && ok > 0,
+        "no request may fail through the router: {ok} ok, {failed} failed (last error: {last_err:?})"
+    );
+
+    // The rebuilt group gets traffic again.
+    let d0 = member(env, ns, name, 0, "decode").await?;
+    let ip0 = pod_ip(&d0).context("new decode 0 IP")?;
+    let before = answered(&ip0).await?;
+    wait::until(
+        "the router to send to the rebuilt group",
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || async {
+            chat(&router_ip, Duration::from_secs(30)).await?;
+            Ok((answered(&ip0).await? > before).then_some(()))
+        },
+    )
+    .await?;
+
+    env.kubectl
+        .ok(&["delete", "pdd", name, "-n", ns, "--wait=true"])
+        .await?;
+    Ok(())
+}
