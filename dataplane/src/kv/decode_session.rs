@@ -35,6 +35,12 @@
 //!   of is pushed to it at once (FAILED).
 //! - **Connection lost** (the socket monitor saw the TCP connection close): the rooms sent
 //!   there fail at once with `peer_lost`, and the session ends until a handshake succeeds.
+//! - **No room outlives the channel deadline without a session**: a room not yet sent
+//!   (opened just before the session ended, or after, by a request that picked the peer
+//!   while it was still established) waits for a new session at most the channel deadline,
+//!   counted from the later of its opening and the session's end, then fails with the
+//!   reason the session ended (`peer_lost`, `peer_restarted`, ...). A link that comes back
+//!   at once still serves it; a dead prefill never holds it for the bootstrap timeout.
 
 mod events;
 mod heartbeat;
@@ -114,6 +120,9 @@ pub struct DecodeSession {
     /// so that a replacement process is still counted and logged as a restart.
     last_authenticated: Option<u64>,
     peer_draining: bool,
+    /// When the last session ended (or this one began, before any) and why: rooms waiting
+    /// for a session fail with that reason once they waited the channel deadline past it.
+    session_down: (Instant, FailCode),
     last_refusal: Option<Refusal>,
     /// KV chunk data bytes received in this session; a CREDIT is due when it grew.
     consumed: u64,
@@ -143,6 +152,7 @@ impl DecodeSession {
             stale_attempts: std::collections::VecDeque::new(),
             last_authenticated: None,
             peer_draining: false,
+            session_down: (now, FailCode::NoPeer),
             last_refusal: None,
             consumed: 0,
             credit_due: false,
@@ -235,6 +245,16 @@ impl DecodeSession {
         }
     }
 
+    /// Note why there is no session (`code`, the reason rooms still waiting for one fail
+    /// with): from `now` if a session was established, else since the last one ended.
+    fn session_ended(&mut self, code: FailCode, now: Instant) {
+        let since = match self.established() {
+            Some(_) => now,
+            None => self.session_down.0,
+        };
+        self.session_down = (since, code);
+    }
+
     /// End the handshake attempt (or the session) and try again at `at`. An attempt whose
     /// HELLO went out is remembered: its WELCOME may still come (a paused prefill reads
     /// every HELLO at once when it resumes), and is then dropped as stale, not taken for
@@ -263,6 +283,7 @@ impl DecodeSession {
             );
         }
         self.drive_handshake(now);
+        self.expire_unserved(now);
         self.expire(now);
     }
 
@@ -373,6 +394,7 @@ impl DecodeSession {
             peer_incarnation: self.last_authenticated.unwrap_or(0),
             rooms_failed: lost.len(),
         });
+        self.session_ended(FailCode::PeerLost, now);
         // Not ready before the rooms' clients hear of it, and saying why (not an older
         // refusal, which `/ready` would show until the next attempt says more).
         if !matches!(self.handshake, Handshake::Idle { .. }) {
@@ -405,6 +427,7 @@ impl DecodeSession {
                 h.incarnation
             );
             self.refused(FailCode::PeerRestarted.label(), message, now);
+            self.session_ended(FailCode::PeerRestarted, now);
             self.fail_rooms_not_of(h.incarnation);
             self.retry(now);
             if !matches!(d, Decoded::Message(Message::Reject { .. })) {
@@ -475,6 +498,7 @@ impl DecodeSession {
                     format!("the prefill is resetting: {text}"),
                     now,
                 );
+                self.session_ended(FailCode::Reset, now);
                 self.retry(now + UNREACHABLE_RETRY);
             }
             Message::Goodbye { reason, text } => {
@@ -489,6 +513,7 @@ impl DecodeSession {
                     format!("the prefill said goodbye: {text}"),
                     now,
                 );
+                self.session_ended(FailCode::PeerShutdown, now);
                 // Rooms in flight finish by their own messages; a new handshake is tried
                 // (and refused until the prefill is gone or replaced).
                 self.retry(now + self.c.timings.probe_period);

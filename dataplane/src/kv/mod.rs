@@ -124,6 +124,8 @@ mod session_deadline_tests;
 #[cfg(test)]
 mod session_harness;
 #[cfg(test)]
+mod session_lost_tests;
+#[cfg(test)]
 mod session_props;
 #[cfg(test)]
 mod session_tests;

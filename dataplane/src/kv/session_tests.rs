@@ -396,7 +396,7 @@ fn a_lost_connection_fails_the_rooms_sent_at_once_and_keeps_the_others() {
     p.decode_event(DecodeEvent::Tick);
     assert_eq!(refusal(&p).as_deref(), Some("peer_unreachable"));
     assert_eq!(state(&p), ChannelState::Idle);
-    // Room 2 waits (its bootstrap deadline is far); the link comes back.
+    // Room 2 waits (up to the channel deadline); the link comes back within it.
     p.cut = false;
     p.advance(decode_session_retry());
     p.establish();

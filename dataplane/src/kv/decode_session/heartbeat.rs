@@ -57,6 +57,7 @@ impl DecodeSession {
         let deadline = self.c.timings.channel_deadline;
         self.unresponsive = true;
         self.unanswered_since = None;
+        self.session_ended(FailCode::PeerUnresponsive, now);
         self.retry(now);
         let text = format!(
             "no message from the prefill for {} ms after a PING (channel deadline {} ms)",
@@ -85,6 +86,44 @@ impl DecodeSession {
         });
         for id in ids {
             self.fail_room(id, FailCode::PeerUnresponsive, &text, true);
+        }
+    }
+
+    /// Without a session, a room not yet sent waits for one at most the channel deadline,
+    /// counted from the later of its opening and the session's end; then it fails with the
+    /// reason the session ended. The bootstrap timeout (seconds) is for a handshake that is
+    /// slow, not for a prefill that is gone: a request that picked this peer just before
+    /// its connection closed must not wait for it.
+    pub(super) fn expire_unserved(&mut self, now: Instant) {
+        if self.established().is_some() {
+            return;
+        }
+        let (down, code) = self.session_down;
+        let deadline = self.c.timings.channel_deadline;
+        let due: Vec<(u64, u128)> = self
+            .rooms
+            .iter()
+            .filter(|(_, r)| r.state == RoomState::Bootstrap && !r.data.sent())
+            .filter_map(|(id, r)| {
+                let waited = now.saturating_duration_since(r.since.max(down));
+                (waited >= deadline).then_some((id, waited.as_millis()))
+            })
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        let why = self
+            .last_refusal
+            .as_ref()
+            .map(|r| format!(": {} ({})", r.message, r.reason))
+            .unwrap_or_default();
+        for (id, waited) in due {
+            let text = format!(
+                "no session with the prefill at {} for {waited} ms (channel deadline {} ms){why}",
+                self.c.addr,
+                deadline.as_millis()
+            );
+            self.fail_room(id, code, &text, false);
         }
     }
 
