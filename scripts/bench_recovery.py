@@ -130,7 +130,7 @@ class Client:
 
 
 class Runtime:
-    def __init__(self, groups, name):
+    def __init__(self, groups, name, args):
         m = yaml.safe_load(open(MANIFEST))
         m["metadata"]["name"] = name
         m["spec"]["groups"] = groups
@@ -140,6 +140,10 @@ class Runtime:
             spec["args"] = list(spec.get("args", [])) + ["--fault-injection"]
             spec["template"].setdefault("env", []).append(
                 {"name": "TANDEM_ALLOW_FAULT_INJECTION", "value": "yes"})
+        if args.probe_period:
+            m["spec"]["health"]["probePeriodSeconds"] = args.probe_period
+        if args.failure_threshold:
+            m["spec"]["health"]["failureThreshold"] = args.failure_threshold
         self.health = m["spec"]["health"]
         self.dir = tempfile.mkdtemp(prefix="tandem-bench-recovery-")
         path = os.path.join(self.dir, "m.yaml")
@@ -251,10 +255,16 @@ def measure(rt, fault, max_s=120.0):
     time.sleep(2.0)
     t0 = time.time()
     undo = inject(rt, fault, before)
-    # Until served again for 3 s with the group Ready (or the limit).
+    # Until group 0 is Ready at a newer incarnation (its co-restart, in place or not, is
+    # done) and every request has been served for 3 s (or the limit).
+    inc0 = before["decode"]["incarnation"]
     ok_since = None
     while time.time() - t0 < max_s:
         time.sleep(0.2)
+        g0 = ((rt.status().get("status") or {}).get("groupStatuses") or [{}])[0]
+        if not (g0.get("phase") == "Ready" and g0.get("incarnation", 0) > inc0):
+            ok_since = None
+            continue
         with client.lock:
             after = [r for r in client.results if r[0] > t0]
         last_bad = max((r[0] for r in after if r[2] != "ok"), default=None)
@@ -406,6 +416,9 @@ def main():
     ap.add_argument("--faults", nargs="+", default=FAULTS, choices=FAULTS)
     ap.add_argument("--svg", default=os.path.join(ROOT, "docs/recovery-timeline.svg"))
     ap.add_argument("--svg-fault", default="prefill_sigstop")
+    ap.add_argument("--json", help="write every request of every run here (for a closer look)")
+    ap.add_argument("--probe-period", type=int, help="health.probePeriodSeconds instead of the example's")
+    ap.add_argument("--failure-threshold", type=int, help="health.failureThreshold instead of the example's")
     args = ap.parse_args()
     if "channel_partition" in args.faults and iptables("-L", "INPUT", "-n").returncode != 0:
         print("skipped: channel_partition (iptables does not work here)")
@@ -414,7 +427,7 @@ def main():
     rows = []
     for groups in args.groups:
         for fault in args.faults:
-            rt = Runtime(groups, f"rec{groups}-{fault.replace('_', '-')}")
+            rt = Runtime(groups, f"rec{groups}-{fault.replace('_', '-')}", args)
             try:
                 rt.wait_ready()
                 time.sleep(1)
@@ -431,6 +444,9 @@ def main():
             if groups == args.groups[0] and fault == args.svg_fault:
                 svg(r, args.svg, f"{fault.replace('_', ' ')}, {groups} group(s), local runtime, SmolLM2")
     print(open("/proc/loadavg").read().strip(), "(load after)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v for k, v in r.items()} for r in rows], f)
     print()
     print("| groups | fault | refused after | longest wait | served again | failed | weights reloaded | co-restart decided | served again after the decision | in-place reset | targets |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
