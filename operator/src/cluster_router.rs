@@ -87,20 +87,7 @@ pub fn targets_from(
             why.join("; ")
         )
     } else {
-        let why: Vec<String> = targets
-            .iter()
-            .map(|t| {
-                let phase = groups
-                    .iter()
-                    .find(|g| g.index == t.group)
-                    .map_or("unknown".to_string(), |g| format!("{:?}", g.phase));
-                format!(
-                    "group {} is {phase} at incarnation {} (decode {} serves at incarnation {})",
-                    t.group, t.group_incarnation, t.pod, t.incarnation
-                )
-            })
-            .collect();
-        format!("no group is ready: {}", why.join("; "))
+        crate::local::router::no_ready_group(&targets, groups)
     };
     Targets {
         targets,

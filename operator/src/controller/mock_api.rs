@@ -441,6 +441,19 @@ where
 {
     let (ctx, api) = context(FakeReady::default());
     let ctx = Arc::new(Arc::into_inner(ctx).unwrap().with_reset_caller(resetter));
+    run_in(ctx, api, trigger, script).await
+}
+
+/// One reconcile with `ctx` while `script` plays the API server behind it.
+async fn run_in<F>(
+    ctx: Arc<Context>,
+    api: MockApi,
+    trigger: PDDeployment,
+    script: impl FnOnce(MockApi) -> F,
+) -> (Result<Action, Error>, Arc<Metrics>)
+where
+    F: Future<Output = ()> + Send + 'static,
+{
     let metrics = ctx.metrics.clone();
     let server = tokio::spawn(script(api));
     let result = tokio::time::timeout(Duration::from_secs(10), reconcile(Arc::new(trigger), ctx))
@@ -490,14 +503,5 @@ where
     F: Future<Output = ()> + Send + 'static,
 {
     let (ctx, api) = context(ready);
-    let metrics = ctx.metrics.clone();
-    let server = tokio::spawn(script(api));
-    let result = tokio::time::timeout(Duration::from_secs(10), reconcile(Arc::new(trigger), ctx))
-        .await
-        .expect("reconcile hung");
-    tokio::time::timeout(Duration::from_secs(10), server)
-        .await
-        .expect("mock server hung")
-        .expect("mock server assertions");
-    (result, metrics)
+    run_in(ctx, api, trigger, script).await
 }

@@ -113,6 +113,25 @@ impl Router {
     }
 }
 
+/// Why none of `targets` (decodes that serve) may be chosen: no group of theirs is Ready at
+/// its current incarnation. Shared by both hosts (`crate::cluster_router` too).
+pub(crate) fn no_ready_group(targets: &[Target], groups: &[crate::crd::GroupStatus]) -> String {
+    let why: Vec<String> = targets
+        .iter()
+        .map(|t| {
+            let phase = groups
+                .iter()
+                .find(|g| g.index == t.group)
+                .map_or("unknown".to_string(), |g| format!("{:?}", g.phase));
+            format!(
+                "group {} is {phase} at incarnation {} (decode {} serves at incarnation {})",
+                t.group, t.group_incarnation, t.pod, t.incarnation
+            )
+        })
+        .collect();
+    format!("no group is ready: {}", why.join("; "))
+}
+
 /// The decodes the router may use, from a snapshot: every serving decode, with its
 /// group's phase and current incarnation (only those of groups Ready at it are ever
 /// chosen).
@@ -141,20 +160,7 @@ pub fn targets_of(s: &Snapshot) -> Targets {
         s.unavailable.clone()
     } else {
         // Decodes serve, but none of a group Ready at its current incarnation.
-        let why: Vec<String> = targets
-            .iter()
-            .map(|t| {
-                let phase = groups
-                    .iter()
-                    .find(|g| g.index == t.group)
-                    .map_or("unknown".to_string(), |g| format!("{:?}", g.phase));
-                format!(
-                    "group {} is {phase} at incarnation {} (decode {} serves at incarnation {})",
-                    t.group, t.group_incarnation, t.pod, t.incarnation
-                )
-            })
-            .collect();
-        format!("no group is ready: {}", why.join("; "))
+        no_ready_group(&targets, groups)
     };
     Targets {
         targets,

@@ -89,6 +89,25 @@ pub async fn run(env: &Env) -> Result<()> {
             "heartbeats stopped → co-restart decided",
             format!("{:.1}s", lost.elapsed().as_secs_f64()),
         );
+        // What the operator saw of the lost node's pods when it decided (their readiness
+        // conditions: a pod there counts as node-lost by them).
+        for p in &old {
+            let now = env
+                .kubectl
+                .json(&["get", "pod", &p.name_any(), "-n", ns])
+                .await?;
+            let conds: Vec<String> = now["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|c| format!("{}={} ({})", c["type"], c["status"], c["reason"]))
+                .collect();
+            say(format!(
+                "    {} at the decision: {}",
+                p.name_any(),
+                conds.join(", ")
+            ));
+        }
         let p = wait_ready(env, ns, name, 1, Duration::from_secs(240)).await?;
         figure(
             "heartbeats stopped → group Ready on the other node",

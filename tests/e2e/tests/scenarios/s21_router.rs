@@ -31,7 +31,7 @@ async fn answered(ip: &str) -> Result<u64> {
     Ok(r.body
         .lines()
         .filter(|l| {
-            l.starts_with("tandem_requests_total{")
+            l.starts_with("tandem_http_requests_total{")
                 && l.contains("/v1/chat/completions")
                 && l.contains("status=\"200\"")
         })
