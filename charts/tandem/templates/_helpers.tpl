@@ -69,6 +69,12 @@ exist yet is authorized as create as well as patch. */}}
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch, create, patch, delete]
+# The node of a member pod: Ready not True means its kubelet stopped reporting (a pod there
+# is removed with the short grace and force-deleted without a margin). Cluster-scoped: with
+# watchNamespace (a Role) this grants nothing and the operator judges by pod conditions.
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [get]
 # The tandem.dev/group-ready readiness gate of decode pods.
 - apiGroups: [""]
   resources: [pods/status]

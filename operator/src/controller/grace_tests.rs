@@ -168,6 +168,58 @@ async fn a_member_on_a_lost_node_is_deleted_with_the_short_grace() {
     assert!(metrics.encode().contains("cause=\"node_lost\"} 1"));
 }
 
+/// A decode on a lost node whose gate the operator has closed: its `Ready` reads False for
+/// `ReadinessGatesNotReady`, as on a live node, so the pod alone does not tell; its node's
+/// `Ready` (Unknown) does, and the decode gets the short grace (the e2e suite's s06 saw it
+/// deleted with its full grace and force-deleted 40 s later before this).
+#[tokio::test]
+async fn a_gated_decode_on_a_node_that_stopped_reporting_gets_the_short_grace() {
+    let mut decode = member(Role::Decode, 1, "Running", true, Some(false));
+    decode.spec.as_mut().unwrap().node_name = Some("n1".into());
+    decode
+        .status
+        .as_mut()
+        .unwrap()
+        .conditions
+        .as_mut()
+        .unwrap()
+        .push(PodCondition {
+            type_: "Ready".into(),
+            status: "False".into(),
+            reason: Some("ReadinessGatesNotReady".into()),
+            ..Default::default()
+        });
+    let seen = observe_pod(&decode).unwrap();
+    assert!(
+        !seen.node_lost && seen.ready,
+        "the pod alone reads as healthy"
+    );
+    let trigger = pdd(Some(restarting(CoRestartReason::MemberNotReady)));
+    let (result, metrics) = run(trigger.clone(), |mut api| async move {
+        api.reads_all(&trigger, &[decode], &[("n1", "Unknown")], true, vec![])
+            .await;
+        api.objects().await;
+        let ev = api.event().await;
+        assert!(
+            ev["note"]
+                .as_str()
+                .unwrap()
+                .contains("node stopped reporting"),
+            "{ev}"
+        );
+        let del = api
+            .next(Method::DELETE, &format!("{PODS}/demo-g0-i1-d0?"))
+            .await;
+        assert_eq!(del.body["gracePeriodSeconds"], 2, "{}", del.body);
+        del.reply(StatusCode::OK, gone());
+        api.status().await;
+        api.done().await;
+    })
+    .await;
+    result.unwrap();
+    assert!(metrics.encode().contains("cause=\"node_lost\"} 1"));
+}
+
 #[tokio::test]
 async fn a_rollout_deletes_even_a_not_ready_member_with_its_full_grace() {
     let not_ready = member(Role::Prefill, 1, "Running", false, None);

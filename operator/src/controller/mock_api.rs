@@ -247,6 +247,18 @@ impl MockApi {
         objects_exist: bool,
         extra: Vec<Value>,
     ) {
+        self.reads_all(pdd, pods, &[], objects_exist, extra).await
+    }
+
+    /// The reads, the pods' nodes answered with `(name, Ready status)` in between.
+    pub(super) async fn reads_all(
+        &mut self,
+        pdd: &PDDeployment,
+        pods: &[Pod],
+        nodes: &[(&str, &str)],
+        objects_exist: bool,
+        extra: Vec<Value>,
+    ) {
         self.next(Method::GET, PDD_PATH)
             .await
             .reply(StatusCode::OK, serde_json::to_value(pdd).unwrap());
@@ -257,6 +269,16 @@ impl MockApi {
         self.next(Method::GET, &format!("{PODS}{SELECTOR}"))
             .await
             .reply(StatusCode::OK, list("PodList", pods));
+        for (node, ready) in nodes {
+            self.next(Method::GET, &format!("/api/v1/nodes/{node}"))
+                .await
+                .reply(
+                    StatusCode::OK,
+                    serde_json::json!({"apiVersion": "v1", "kind": "Node",
+                        "metadata": {"name": node},
+                        "status": {"conditions": [{"type": "Ready", "status": ready}]}}),
+                );
+        }
         let items = |v: Vec<Value>| if objects_exist { v } else { vec![] };
         let of = |suffix: &str| -> Vec<Value> {
             extra

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Pod, PodCondition, Secret, Service};
+use k8s_openapi::api::core::v1::{Node, Pod, PodCondition, Secret, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
@@ -197,6 +197,42 @@ pub(super) fn node_lost(
         })
 }
 
+/// The nodes among `names` whose `Ready` condition is not True: their kubelet stopped
+/// reporting (the node lifecycle controller turns it Unknown after its grace period). The
+/// pod conditions alone cannot tell once the operator has closed a decode's gate there:
+/// its `Ready` then reads False for `ReadinessGatesNotReady`, as on a live node (seen in
+/// the e2e suite's node-lost scenario, which then deleted that decode with its full
+/// grace and waited 40 s for its force delete). A node that cannot be read is not taken
+/// for lost (logged); the pod conditions still count.
+pub(super) async fn lost_nodes(
+    ctx: &Context,
+    names: std::collections::BTreeSet<String>,
+) -> std::collections::BTreeSet<String> {
+    let api = Api::<Node>::all(ctx.client.clone());
+    let mut lost = std::collections::BTreeSet::new();
+    for name in names {
+        match api.get(&name).await {
+            Ok(node) => {
+                let ready = node
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+                    .map(|c| c.status.clone());
+                if ready.as_deref() != Some("True") {
+                    debug!(node = %name, ready = ?ready, "node not ready: its pods count as on a lost node");
+                    lost.insert(name);
+                }
+            }
+            Err(e) => {
+                warn!(node = %name, "could not read the node of a member pod (RBAC get on nodes?); judging its pods by their conditions only: {e}");
+                ctx.metrics.reconcile_failed("node_read");
+            }
+        }
+    }
+    lost
+}
+
 /// How the dataplane container ended, as the kubelet reports it (`OOMKilled, exit code
 /// 137`), once it has.
 fn exit_reason(pod: &Pod) -> Option<String> {
@@ -321,6 +357,7 @@ pub(super) async fn observe(
         .map_err(Error::kube("listing pods"))?;
     let mut observed = Observed::default();
     let mut addrs = PodAddrs::new();
+    let mut nodes: Vec<(usize, String)> = Vec::new();
     let mut ask = Vec::new();
     for pod in &pods.items {
         if !ours(&pod.metadata) {
@@ -332,6 +369,9 @@ pub(super) async fn observe(
                 if let Some(addr) = http_addr(pod) {
                     addrs.insert(p.name.clone(), addr);
                 }
+                if let Some(n) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) {
+                    nodes.push((observed.pods.len(), n));
+                }
                 if let Some(addr) = ready_target(pod, &p) {
                     ask.push((observed.pods.len(), addr));
                 }
@@ -341,6 +381,14 @@ pub(super) async fn observe(
                 ctx.metrics.unparsable_pods.inc();
                 warn!(pod = %pod.name_any(), deployment = name, namespace = ns, "skipping pod: {why}");
             }
+        }
+    }
+    let lost = lost_nodes(ctx, nodes.iter().map(|(_, n)| n.clone()).collect()).await;
+    for (i, n) in &nodes {
+        if lost.contains(n) {
+            // Whatever its conditions say: nobody there runs its probes.
+            observed.pods[*i].node_lost = true;
+            observed.pods[*i].ready = false;
         }
     }
     read_ready_details(ctx, &mut observed.pods, ask).await;

@@ -225,7 +225,7 @@ mod tests {
                 Method::PATCH,
                 "/api/v1/namespaces/default/secrets/demo-g0-key",
             ),
-            (Method::GET, "/api/v1/nodes"),
+            (Method::PATCH, "/api/v1/nodes/n1"),
             (Method::GET, "/api/v1/namespaces/default/configmaps/demo"),
             (
                 Method::PUT,
