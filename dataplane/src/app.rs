@@ -162,5 +162,6 @@ fn start_pd(
         engine: engine.clone(),
         metrics: metrics.clone(),
     };
+    metrics.preset_resets(crate::pd::reset::Outcome::ALL.iter().map(|o| o.label()));
     PdSlot::start(starter, cfg.kv.group_incarnation).map(Some)
 }

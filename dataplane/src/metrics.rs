@@ -500,11 +500,6 @@ impl Metrics {
             "In-place reset calls (POST /admin/reset), by outcome",
             resets.clone(),
         );
-        for o in crate::pd::reset::Outcome::ALL {
-            let _ = resets.get_or_create(&OutcomeLabels {
-                outcome: o.label().into(),
-            });
-        }
         let kv_cache_usage = Gauge::<f64, AtomicU64>::default();
         registry.register(
             "kv_cache_usage_perc",
@@ -574,12 +569,23 @@ impl Metrics {
         }
     }
 
-    pub fn reset(&self, outcome: crate::pd::reset::Outcome) {
+    /// Count an in-place reset call by its outcome (`pd::reset::Outcome::label`).
+    pub fn reset(&self, outcome: &str) {
         self.resets
             .get_or_create(&OutcomeLabels {
-                outcome: outcome.label().to_owned(),
+                outcome: outcome.to_owned(),
             })
             .inc();
+    }
+
+    /// Show every outcome of `tandem_resets_total` at 0 from the start (a counter that
+    /// appears only once it counts reads as missing to a rate() over the first hour).
+    pub fn preset_resets<'a>(&self, outcomes: impl IntoIterator<Item = &'a str>) {
+        for o in outcomes {
+            let _ = self.resets.get_or_create(&OutcomeLabels {
+                outcome: o.to_owned(),
+            });
+        }
     }
 
     /// Publish the KV cache's configuration (`cache_config_info`), once the model is loaded.

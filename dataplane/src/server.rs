@@ -12,6 +12,7 @@ mod output;
 mod params;
 mod progress_check;
 mod ready;
+mod request_body;
 mod reset;
 mod router_calls;
 #[cfg(test)]

@@ -78,7 +78,7 @@ pub(super) fn parse_ask(body: &[u8]) -> R<ResetAsk> {
 }
 
 fn refused(state: &AppState, outcome: Outcome, e: ApiError) -> ApiError {
-    state.metrics.reset(outcome);
+    state.metrics.reset(outcome.label());
     e
 }
 
@@ -114,7 +114,7 @@ pub(super) async fn reset(state: Arc<AppState>, req: Request<Incoming>) -> R<Res
     if auth.is_none() {
         return Err(unauthorized(&state, ProofError::Missing));
     }
-    let body = super::routes::body(req, state.limits.max_body_bytes).await?;
+    let body = super::request_body::body(req, state.limits.max_body_bytes).await?;
     let ask = parse_ask(&body)?;
     check_authorization(auth.as_deref(), pd.key(), pd.role(), ask.group_incarnation)
         .map_err(|e| unauthorized(&state, e))?;
@@ -137,7 +137,7 @@ pub(super) async fn reset(state: Arc<AppState>, req: Request<Incoming>) -> R<Res
             current,
             incarnation,
         }) => {
-            state.metrics.reset(Outcome::Stale);
+            state.metrics.reset(Outcome::Stale.label());
             let e = ApiError::server(
                 StatusCode::CONFLICT,
                 "stale_incarnation",
@@ -207,11 +207,14 @@ fn answer(
     });
     match ready {
         Ok(()) => {
-            state.metrics.reset(if done.reset {
-                Outcome::Done
-            } else {
-                Outcome::Noop
-            });
+            state.metrics.reset(
+                if done.reset {
+                    Outcome::Done
+                } else {
+                    Outcome::Noop
+                }
+                .label(),
+            );
             if !done.reset {
                 tracing::info!(
                     group_incarnation = done.group_incarnation,
@@ -222,7 +225,7 @@ fn answer(
             json_response(StatusCode::OK, &body)
         }
         Err(why) => {
-            state.metrics.reset(Outcome::Incomplete);
+            state.metrics.reset(Outcome::Incomplete.label());
             tracing::warn!(
                 group_incarnation = done.group_incarnation,
                 reset = done.reset,

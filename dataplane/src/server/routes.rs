@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use serde_json::json;
 
+use super::request_body::body;
 use super::{ApiError, AppState, Body, completions, error_response, json_response, ready};
 
 /// What serves a route.
@@ -176,31 +177,6 @@ async fn handle(
             let b = body(req, max_body).await?;
             super::router_calls::prompt_keys(state, query.as_deref(), &b)
         }
-    }
-}
-
-pub(super) async fn body(req: Request<Incoming>, max: usize) -> Result<Bytes, ApiError> {
-    let too_large = || ApiError {
-        status: StatusCode::PAYLOAD_TOO_LARGE,
-        ..ApiError::invalid(None, format!("the request body exceeds {max} bytes"))
-            .with_code("body_too_large")
-    };
-    // A declared length beyond the limit is refused before reading a byte of it.
-    let declared = req
-        .headers()
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max as u64) {
-        return Err(too_large());
-    }
-    match Limited::new(req.into_body(), max).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(e) => Err(
-            ApiError::invalid(None, format!("could not read the request body: {e}"))
-                .with_code("body_read_error"),
-        ),
     }
 }
 
