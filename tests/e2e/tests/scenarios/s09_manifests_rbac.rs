@@ -86,6 +86,15 @@ pub async fn run(env: &Env) -> Result<()> {
         ("patch", "services", "s09"),
         ("patch", "networkpolicies.networking.k8s.io", "s09"),
         ("create", "secrets", "s09"),
+        // A group key, read to sign an in-place reset (docs/in-place-reset.md).
+        ("get", "secrets", "s09"),
+        // The node of a member pod: Ready not True means the node is lost.
+        ("get", "nodes", "s09"),
+        // A PDDeployment's router (spec.router): its Deployment, account and role.
+        ("create", "deployments.apps", "s09"),
+        ("create", "serviceaccounts", "s09"),
+        ("create", "roles.rbac.authorization.k8s.io", "s09"),
+        ("create", "rolebindings.rbac.authorization.k8s.io", "s09"),
         ("create", "events.events.k8s.io", "s09"),
         (
             "update",
@@ -96,8 +105,10 @@ pub async fn run(env: &Env) -> Result<()> {
     let denied: &[(&str, &str, &str)] = &[
         ("delete", "pddeployments.tandem.dev", "s09"),
         ("update", "pddeployments.tandem.dev", "s09"),
-        ("get", "nodes", "s09"),
-        ("create", "deployments.apps", "s09"),
+        ("patch", "nodes", "s09"),
+        ("list", "nodes", "s09"),
+        ("update", "secrets", "s09"),
+        ("create", "daemonsets.apps", "s09"),
         ("create", "clusterroles.rbac.authorization.k8s.io", "s09"),
         (
             "update",
