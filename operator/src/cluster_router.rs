@@ -8,15 +8,11 @@
 //! Served besides `/v1/*`, never behind the API keys: `/health` (the process answers),
 //! `/ready` (some group can take traffic) and `/metrics` (`tandem_router_*`).
 
-use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::StreamExt;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
@@ -31,9 +27,6 @@ use tracing::{info, warn};
 use crate::crd::{GroupPhase, PDDeployment, PDDeploymentStatus, conditions, labels};
 use crate::resources::{CONTAINER, HTTP_PORT_NAME};
 use crate::role::Role;
-
-/// Longest a client may take to send a request head.
-const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -269,29 +262,11 @@ pub async fn run(
 }
 
 async fn accept(listener: TcpListener, router: Arc<ClusterRouter>) {
-    loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(a) => a,
-            Err(e) => {
-                warn!("accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
+    crate::local::router::accept_connections(listener, move |req| {
         let router = router.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |req| {
-                let router = router.clone();
-                async move { Ok::<_, Infallible>(router.handle(req).await) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
+        async move { router.handle(req).await }
+    })
+    .await
 }
 
 fn text(status: StatusCode, content_type: &'static str, body: String) -> Response<Body> {

@@ -168,6 +168,39 @@ pub fn targets_of(s: &Snapshot) -> Targets {
     }
 }
 
+/// Accept HTTP/1.1 connections on `listener` forever, each served by `handle` on its own
+/// task (request heads bounded by [`HEADER_TIMEOUT`]). Both router hosts use it (the local
+/// endpoint and `crate::cluster_router`).
+pub(crate) async fn accept_connections<H, F>(listener: TcpListener, handle: H)
+where
+    H: Fn(Request<Incoming>) -> F + Clone + Send + 'static,
+    F: std::future::Future<Output = Response<Body>> + Send + 'static,
+{
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!("accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req| {
+                let answer = handle(req);
+                async move { Ok::<_, Infallible>(answer.await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
 /// Accept connections, follow the snapshot's decodes and poll their reports, until the
 /// task is dropped.
 pub async fn serve(listener: TcpListener, router: Arc<Router>) {
@@ -182,31 +215,10 @@ pub async fn serve(listener: TcpListener, router: Arc<Router>) {
         }
     };
     let poll = router.inner.poller().run();
-    let accept = async move {
-        loop {
-            let (stream, _) = match listener.accept().await {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!("accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let _ = stream.set_nodelay(true);
-            let router = router.clone();
-            tokio::spawn(async move {
-                let service = service_fn(move |req| {
-                    let router = router.clone();
-                    async move { Ok::<_, Infallible>(router.handle(req).await) }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(HEADER_TIMEOUT)
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    };
+    let accept = accept_connections(listener, move |req| {
+        let router = router.clone();
+        async move { router.handle(req).await }
+    });
     tokio::select! {
         _ = follow => {}
         _ = poll => {}
