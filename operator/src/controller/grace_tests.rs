@@ -33,6 +33,23 @@ fn restarting(reason: CoRestartReason) -> PDDeploymentStatus {
     st
 }
 
+/// `pod` with `Ready` False for `ReadinessGatesNotReady`: a decode whose gate is closed.
+fn gated(mut pod: Pod) -> Pod {
+    pod.status
+        .as_mut()
+        .unwrap()
+        .conditions
+        .as_mut()
+        .unwrap()
+        .push(PodCondition {
+            type_: "Ready".into(),
+            status: "False".into(),
+            reason: Some("ReadinessGatesNotReady".into()),
+            ..Default::default()
+        });
+    pod
+}
+
 fn gone() -> serde_json::Value {
     json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 200})
 }
@@ -174,21 +191,8 @@ async fn a_member_on_a_lost_node_is_deleted_with_the_short_grace() {
 /// deleted with its full grace and force-deleted 40 s later before this).
 #[tokio::test]
 async fn a_gated_decode_on_a_node_that_stopped_reporting_gets_the_short_grace() {
-    let mut decode = member(Role::Decode, 1, "Running", true, Some(false));
+    let mut decode = gated(member(Role::Decode, 1, "Running", true, Some(false)));
     decode.spec.as_mut().unwrap().node_name = Some("n1".into());
-    decode
-        .status
-        .as_mut()
-        .unwrap()
-        .conditions
-        .as_mut()
-        .unwrap()
-        .push(PodCondition {
-            type_: "Ready".into(),
-            status: "False".into(),
-            reason: Some("ReadinessGatesNotReady".into()),
-            ..Default::default()
-        });
     let seen = observe_pod(&decode).unwrap();
     assert!(
         !seen.node_lost && seen.ready,
@@ -264,20 +268,7 @@ fn only_the_node_controller_s_mark_reads_as_a_lost_node() {
         });
     assert!(!observe_pod(&kubelet).unwrap().node_lost);
     // A closed readiness gate on a healthy decode is not one either.
-    let mut gated = member(Role::Decode, 1, "Running", true, Some(false));
-    gated
-        .status
-        .as_mut()
-        .unwrap()
-        .conditions
-        .as_mut()
-        .unwrap()
-        .push(PodCondition {
-            type_: "Ready".into(),
-            status: "False".into(),
-            reason: Some("ReadinessGatesNotReady".into()),
-            ..Default::default()
-        });
+    let gated = gated(member(Role::Decode, 1, "Running", true, Some(false)));
     let seen = observe_pod(&gated).unwrap();
     assert!(!seen.node_lost && seen.ready);
     let healthy = member(Role::Prefill, 1, "Running", true, None);
