@@ -73,8 +73,10 @@ pub enum Transfer {
     /// whole sequence's blocks, starting with the longest prefix of the prompt in its
     /// prefix cache (`GenEvent::KvReserved`), then waits for the KV on the
     /// slot's channel, imports it and continues from the first token the prefill sampled.
-    /// The reservation is freed only once the channel's sender is dropped without KV (the
-    /// room ended, after ABORT_ACK when aborted).
+    /// The reservation is freed once the channel's sender is dropped without KV (the
+    /// room ended, after ABORT_ACK when aborted), or once the request itself ends (its
+    /// event receiver dropped: a reset, the drain deadline, the client), whichever comes
+    /// first: a stuck KV loop holding the sender must not hold the blocks too.
     Import(Arc<KvImport>),
 }
 

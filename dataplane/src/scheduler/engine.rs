@@ -215,12 +215,30 @@ impl<R: ModelRunner> Engine<R> {
     }
 
     /// Requests whose receiver was dropped (client disconnected) leave at once and free
-    /// their blocks.
+    /// their blocks. So do decode-role reservations whose request ended while its KV was
+    /// on the way (an in-place reset, the drain deadline, the client): the room's sender
+    /// may outlive the request — a KV loop that is stuck holds it until it wakes — and a
+    /// reservation kept for it would hold a batch slot and its blocks for no one. The
+    /// request reported its own reason, so this counts nothing; KV that arrives later
+    /// finds the receiver gone and is dropped by the loop.
     fn drop_abandoned(&mut self) {
         let before = self.waiting.len();
         self.waiting.retain(|s| !s.out.is_closed());
         for _ in self.waiting.len()..before {
             self.note_gone();
+        }
+        let mut i = 0;
+        while i < self.reserved.len() {
+            if self.reserved[i].sub.out.is_closed() {
+                let r = self.reserved.swap_remove(i);
+                self.runner.free(r.seq);
+                tracing::debug!(
+                    seq = r.seq.0,
+                    "KV reservation released: its request ended before the KV arrived"
+                );
+            } else {
+                i += 1;
+            }
         }
         let mut i = 0;
         while i < self.running.len() {

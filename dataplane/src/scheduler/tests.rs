@@ -672,3 +672,54 @@ fn an_export_from_a_misaligned_or_too_long_prefix_is_refused() {
     assert_eq!(counter(&metrics, "invalid_request"), 3);
     assert!(st.lock().unwrap().log.is_empty(), "nothing ran");
 }
+
+/// A decode-role request ended (an in-place reset, the drain deadline, the client) while
+/// its room's sender lives on in a KV loop that is stuck: its reservation must not hold a
+/// batch slot and blocks until that loop wakes. Found by `bench_recovery.py --faults
+/// kv_loop_stall`: after the reset, every batch slot was held by a request of the old
+/// channel and new requests waited 12 s for the stalled thread.
+#[test]
+fn a_reservation_whose_request_ended_frees_its_slot_while_the_kv_sender_lives() {
+    let (r, st) = fake(1000);
+    let cfg = SchedulerConfig {
+        max_batch: 2,
+        ..Default::default()
+    };
+    let (h, _) = start(r, cfg);
+    let mut senders = Vec::new();
+    let mut receivers = Vec::new();
+    for p in &prompts()[..2] {
+        let (tx, slot) = KvImport::channel();
+        let mut r = req(p.clone(), 8);
+        r.transfer = Transfer::Import(Arc::new(slot));
+        let mut rx = h.submit(r).unwrap();
+        assert!(matches!(
+            rx.blocking_recv(),
+            Some(GenEvent::KvReserved { .. })
+        ));
+        senders.push(tx);
+        receivers.push(rx);
+    }
+    assert!(st.lock().unwrap().used() > 0);
+    // Both batch slots are held: a third request waits.
+    let mut third = h.submit(req(prompts()[2].clone(), 4)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(third.try_recv().is_err(), "admitted while the batch was full");
+
+    drop(receivers);
+    let done = collect(third);
+    assert_eq!(done.ids.len(), 4, "{done:?}");
+    wait_until("the ended reservations' blocks freed", || {
+        st.lock().unwrap().used() == 0
+    });
+    // KV arriving for them later is refused by the channel, not imported.
+    for tx in senders {
+        let kv = ImportedKv {
+            payload: Box::new(vec![0u8; 4]),
+            first_token: 1,
+            first_logprob: None,
+        };
+        assert!(tx.try_send(kv).is_err());
+    }
+    assert_eq!(st.lock().unwrap().used(), 0);
+}

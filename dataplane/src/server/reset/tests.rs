@@ -532,3 +532,67 @@ fn a_reset_while_draining_is_409_draining() {
         GROUP
     );
 }
+
+/// A decode whose KV loop is stuck (as in a blocking call) with a full batch of requests
+/// queued on it: the reset abandons the loop after its bound, ends those requests with
+/// `reset`, and the new channel serves at once — the requests of the old channel must not
+/// hold the engine's batch slots or blocks until the stuck thread wakes (they did: found by
+/// `bench_recovery.py --faults kv_loop_stall`, requests after the reset answered only when
+/// the 30 s stall ended).
+#[test]
+fn a_reset_that_abandons_a_stuck_kv_loop_serves_at_once_on_the_new_channel() {
+    let (prefill, decode) = pair();
+    let (p0, d0) = (prefill.blocks_used(), decode.blocks_used());
+    let stall = Duration::from_secs(12);
+    let run = decode.state.pd.as_ref().unwrap().current();
+    let crate::pd::PdRole::Decode(d) = &run.role else {
+        unreachable!("the decode's run")
+    };
+    d.loops()[0].inject(crate::pd::Fault::Stall(stall));
+    let stalled_at = Instant::now();
+    // Within the loop's stale window the decode still takes rooms: a whole batch of them
+    // (SchedulerConfig::default's 16) queues on the stuck loop.
+    let addr = decode.addr;
+    let stuck: Vec<_> = (0..16)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let body = json!({"model": "toy", "prompt": "Hi there", "max_tokens": 4})
+                    .to_string();
+                request(addr, "POST", "/v1/completions", Some(&body))
+            })
+        })
+        .collect();
+    decode.wait("decode not ready: loop_stalled", Duration::from_secs(5), |b| {
+        b["ready"] == false && ready_reason(b) == "loop_stalled"
+    });
+    assert_eq!(prefill.reset(GROUP + 1).status, 200);
+    let r = decode.reset(GROUP + 1);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["ready"], true, "{}", r.body);
+    for t in stuck {
+        let r = t.join().unwrap();
+        assert_eq!(r.status, 503, "{}", r.body);
+        assert_eq!(r.json()["error"]["code"], "reset", "{}", r.body);
+    }
+    let asked = Instant::now();
+    let r = decode.complete(4);
+    let took = asked.elapsed();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        stalled_at.elapsed() < stall,
+        "the check ran past the stall; it proves nothing"
+    );
+    assert!(
+        took < Duration::from_secs(2),
+        "served {took:?} after the reset: the old channel's requests held the engine"
+    );
+    println!("served {took:?} after a reset that abandoned a stuck KV loop");
+    // Their blocks are back too, before the stuck thread wakes.
+    let settle = Instant::now();
+    while (prefill.blocks_used(), decode.blocks_used()) != (p0, d0)
+        && settle.elapsed() < Duration::from_secs(2)
+    {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!((prefill.blocks_used(), decode.blocks_used()), (p0, d0));
+}
