@@ -144,6 +144,8 @@ class Runtime:
             m["spec"]["health"]["probePeriodSeconds"] = args.probe_period
         if args.failure_threshold:
             m["spec"]["health"]["failureThreshold"] = args.failure_threshold
+        if args.unresponsive_grace:
+            m["spec"]["health"]["unresponsiveGraceSeconds"] = args.unresponsive_grace
         self.health = m["spec"]["health"]
         self.dir = tempfile.mkdtemp(prefix="tandem-bench-recovery-")
         path = os.path.join(self.dir, "m.yaml")
@@ -419,6 +421,7 @@ def main():
     ap.add_argument("--json", help="write every request of every run here (for a closer look)")
     ap.add_argument("--probe-period", type=int, help="health.probePeriodSeconds instead of the example's")
     ap.add_argument("--failure-threshold", type=int, help="health.failureThreshold instead of the example's")
+    ap.add_argument("--unresponsive-grace", type=int, help="health.unresponsiveGraceSeconds instead of the example's")
     args = ap.parse_args()
     if "channel_partition" in args.faults and iptables("-L", "INPUT", "-n").returncode != 0:
         print("skipped: channel_partition (iptables does not work here)")

@@ -72,7 +72,7 @@ def manifest(name, groups, kv_blocks):
             "prefill": {"replicas": 1, "args": ["--kv-blocks", str(kv_blocks)]},
             "decode": {"replicas": 1, "args": ["--kv-blocks", str(kv_blocks)]},
             "health": {"probePeriodSeconds": 2, "failureThreshold": 3,
-                       "coRestartAfterSeconds": 10, "unresponsiveGraceSeconds": 2},
+                       "coRestartAfterSeconds": 10, "unresponsiveGraceSeconds": 1},
             "restart": {"policy": "CoRestartGroup",
                         "backoff": {"baseSeconds": 1, "maxSeconds": 10}},
         },

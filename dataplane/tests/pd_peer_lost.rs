@@ -97,15 +97,16 @@ fn summary(killed_at: Instant, answers: &[Answer]) -> (Duration, usize, Vec<Stri
     (longest, in_rooms, codes)
 }
 
-/// Every answer: 503 with a reason of the dead prefill, within 1.5 s of the kill or of
-/// its sending.
-fn check(killed_at: Instant, answers: &[Answer]) {
+/// Every answer: 503 with a reason of the dead prefill (or one of `also`), within 1.5 s
+/// of the kill or of its sending.
+fn check(killed_at: Instant, answers: &[Answer], also: &[&str]) {
     for (sent, done, r) in answers {
         let wait = done.duration_since((*sent).max(killed_at));
         assert_eq!(r.status, 503, "{}", r.body);
         let c = code(r);
         assert!(
-            ["peer_lost", "peer_unresponsive", "no_peer"].contains(&c.as_str()),
+            ["peer_lost", "peer_unresponsive", "no_peer"].contains(&c.as_str())
+                || also.contains(&c.as_str()),
             "a reason of the dead prefill, not a timeout: {}",
             r.body
         );
@@ -128,7 +129,7 @@ fn requests_racing_a_killed_prefill_fail_peer_lost_within_the_channel_deadline()
         answers.len(),
         longest.as_secs_f64() * 1e3
     );
-    check(killed_at, &answers);
+    check(killed_at, &answers, &[]);
     assert!(
         in_rooms >= 1,
         "no request raced the disconnect (the stall holds some)"
@@ -166,7 +167,10 @@ fn a_decode_draining_right_after_the_kill_ends_its_racing_rooms_and_exits_in_two
         longest.as_secs_f64() * 1e3,
         exit_took.as_secs_f64() * 1e3
     );
-    check(killed_at, &answers);
+    // A request the client sent before the SIGTERM may reach the decode after it (on a
+    // loaded machine the sending thread starts late): refused `draining` at once, which is
+    // the right answer for it.
+    check(killed_at, &answers, &["draining"]);
     assert!(in_rooms >= 1, "no request raced the disconnect");
     assert!(
         exit_took < Duration::from_millis(2000),

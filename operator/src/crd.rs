@@ -303,7 +303,9 @@ pub struct HealthSpec {
     #[serde(default = "default_no_progress")]
     #[schemars(range(min = 0, max = 86400))]
     pub no_progress_seconds: i32,
-    /// How long a member that was Ready may stay not-ready before its group is co-restarted.
+    /// How long a member that was Ready may stay not-ready before its group is co-restarted,
+    /// counted from its first failed probe: its readiness turns false (failureThreshold − 1)
+    /// probe periods after that, so the probes' tuning does not add to the window.
     #[serde(default = "default_co_restart_after")]
     #[schemars(range(min = 1))]
     pub co_restart_after_seconds: i32,
@@ -343,7 +345,7 @@ fn default_startup_timeout() -> i32 {
     600
 }
 /// The default of `health.unresponsiveGraceSeconds`.
-pub const DEFAULT_UNRESPONSIVE_GRACE_SECONDS: i32 = 2;
+pub const DEFAULT_UNRESPONSIVE_GRACE_SECONDS: i32 = 1;
 fn default_unresponsive_grace() -> i32 {
     DEFAULT_UNRESPONSIVE_GRACE_SECONDS
 }

@@ -412,6 +412,20 @@ fn until(now: Timestamp, later: Timestamp) -> Duration {
     Duration::try_from(d).unwrap_or(Duration::ZERO)
 }
 
+/// When the co-restart window of a member that turned not ready at `since` ends. Readiness
+/// turns false only after `failureThreshold` consecutive failed probes `probePeriodSeconds`
+/// apart (the kubelet's rule, and the local runtime's), so the member began failing
+/// (threshold − 1) periods before `since`: the window counts from there. That makes
+/// `coRestartAfterSeconds` the time since the member stopped passing its probes, whatever
+/// the probes' tuning, and not that time plus the detection. Never before `since` itself.
+fn not_ready_deadline(health: &crate::crd::HealthSpec, since: Timestamp) -> Timestamp {
+    let window = Duration::from_secs(health.co_restart_after_seconds.max(1) as u64);
+    let detection = Duration::from_secs(
+        (health.failure_threshold.max(1) as u64 - 1) * health.probe_period_seconds.max(1) as u64,
+    );
+    add(since, window.saturating_sub(detection))
+}
+
 /// Per-call context shared by the group steps.
 struct Ctx<'a> {
     input: &'a PlanInput<'a>,

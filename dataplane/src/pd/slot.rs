@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use tandem_contract::MemberRole;
 
+use super::report::loop_stale_after;
 use super::reset::{Decision, decide};
 use super::{ChannelConfig, Check, PdLimits, PdRole, PdTimings, decode, prefill};
 use super::{PeerReport, local_identity, random_id};
@@ -28,6 +29,10 @@ use crate::scheduler::EngineHandle;
 /// How long a reset waits for the old channel's loops to end (their last FAILED and
 /// GOODBYE go out, the sockets close) before it starts the new one anyway.
 const STOP_WITHIN: Duration = Duration::from_secs(2);
+/// The same when every loop of the old channel has missed its heartbeat already (stuck in
+/// a call, the fault a reset is often for): it will not say goodbye in time, and waiting
+/// the full bound only delays the new channel. Long enough for a loop that is just waking.
+const STUCK_STOP_WITHIN: Duration = Duration::from_millis(100);
 
 /// What a KV channel of this process is started with; all but the group incarnation and
 /// the process incarnation are the same for every start.
@@ -256,9 +261,21 @@ impl PdSlot {
             Decision::Reset => {}
         }
         let ended_before = old.role.rooms_ended();
-        let left = old.role.stop_for_reset(start + STOP_WITHIN);
+        let stale_after = loop_stale_after(self.starter.timings.probe_period);
+        let loops = old.role.loops();
+        let stuck = !loops.is_empty() && loops.iter().all(|h| h.age() > stale_after);
+        let within = if stuck {
+            STUCK_STOP_WITHIN
+        } else {
+            STOP_WITHIN
+        };
+        let left = old.role.stop_for_reset(start + within);
         if !left.is_empty() {
-            tracing::warn!(loops = ?left, "in-place reset: KV loops still running after {STOP_WITHIN:?}; abandoned");
+            tracing::warn!(
+                loops = ?left,
+                stuck,
+                "in-place reset: KV loops still running after {within:?}; abandoned"
+            );
         }
         let rooms_ended = old.role.rooms_ended() - ended_before;
         // Requests still on the old run (generating on a decode) end with `reset` now.

@@ -704,7 +704,10 @@ fn a_reservation_whose_request_ended_frees_its_slot_while_the_kv_sender_lives() 
     // Both batch slots are held: a third request waits.
     let mut third = h.submit(req(prompts()[2].clone(), 4)).unwrap();
     std::thread::sleep(Duration::from_millis(50));
-    assert!(third.try_recv().is_err(), "admitted while the batch was full");
+    assert!(
+        third.try_recv().is_err(),
+        "admitted while the batch was full"
+    );
 
     drop(receivers);
     let done = collect(third);

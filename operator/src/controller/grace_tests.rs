@@ -81,13 +81,22 @@ async fn a_hung_prefill_is_deleted_with_the_short_grace_and_an_event() {
         assert_eq!(ev["action"], "Delete");
         let note = ev["note"].as_str().unwrap();
         assert!(
-            note.contains("demo-g0-i1-p0") && note.contains("grace 2s"),
+            note.contains("demo-g0-i1-p0")
+                && note.contains(&format!(
+                    "grace {}s",
+                    crate::crd::DEFAULT_UNRESPONSIVE_GRACE_SECONDS
+                )),
             "{note}"
         );
         let del = api
             .next(Method::DELETE, &format!("{PODS}/demo-g0-i1-p0?"))
             .await;
-        assert_eq!(del.body["gracePeriodSeconds"], 2, "{}", del.body);
+        assert_eq!(
+            del.body["gracePeriodSeconds"],
+            crate::crd::DEFAULT_UNRESPONSIVE_GRACE_SECONDS,
+            "{}",
+            del.body
+        );
         del.reply(StatusCode::OK, gone());
         api.status().await;
         api.done().await;
@@ -175,7 +184,12 @@ async fn a_member_on_a_lost_node_is_deleted_with_the_short_grace() {
         let del = api
             .next(Method::DELETE, &format!("{PODS}/demo-g0-i1-p0?"))
             .await;
-        assert_eq!(del.body["gracePeriodSeconds"], 2, "{}", del.body);
+        assert_eq!(
+            del.body["gracePeriodSeconds"],
+            crate::crd::DEFAULT_UNRESPONSIVE_GRACE_SECONDS,
+            "{}",
+            del.body
+        );
         del.reply(StatusCode::OK, gone());
         api.status().await;
         api.done().await;
@@ -214,7 +228,12 @@ async fn a_gated_decode_on_a_node_that_stopped_reporting_gets_the_short_grace() 
         let del = api
             .next(Method::DELETE, &format!("{PODS}/demo-g0-i1-d0?"))
             .await;
-        assert_eq!(del.body["gracePeriodSeconds"], 2, "{}", del.body);
+        assert_eq!(
+            del.body["gracePeriodSeconds"],
+            crate::crd::DEFAULT_UNRESPONSIVE_GRACE_SECONDS,
+            "{}",
+            del.body
+        );
         del.reply(StatusCode::OK, gone());
         api.status().await;
         api.done().await;

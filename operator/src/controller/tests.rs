@@ -256,7 +256,12 @@ async fn a_failed_decode_co_restarts_the_group_decode_first() {
         let del = api
             .next(Method::DELETE, &format!("{PODS}/demo-g0-i1-d0?"))
             .await;
-        assert_eq!(del.body["gracePeriodSeconds"], 2, "{}", del.body);
+        assert_eq!(
+            del.body["gracePeriodSeconds"],
+            crate::crd::DEFAULT_UNRESPONSIVE_GRACE_SECONDS,
+            "{}",
+            del.body
+        );
         del.reply(StatusCode::OK, pod);
         let ev = api.event().await;
         assert_eq!(ev["reason"], "GroupPhaseChanged");

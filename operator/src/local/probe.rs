@@ -43,6 +43,11 @@ pub fn outcome(result: Result<(StatusCode, Bytes), String>) -> ProbeOutcome {
 pub async fn run(pod: String, addr: SocketAddr, period: Duration, tx: UnboundedSender<Input>) {
     let mut succeeded = false;
     loop {
+        // Periods run from start to start, as the kubelet's: a probe that times out does
+        // not push the next one a timeout later (a hung member would take
+        // failureThreshold × (period + timeout) to turn not ready instead of about
+        // (failureThreshold − 1) × period + timeout).
+        let started = tokio::time::Instant::now();
         let result = outcome(get(addr, "/ready", PROBE_TIMEOUT).await);
         succeeded |= result == ProbeOutcome::Ready;
         if tx
@@ -54,7 +59,7 @@ pub async fn run(pod: String, addr: SocketAddr, period: Duration, tx: UnboundedS
         {
             return;
         }
-        tokio::time::sleep(if succeeded { period } else { STARTUP_POLL }).await;
+        tokio::time::sleep_until(started + if succeeded { period } else { STARTUP_POLL }).await;
     }
 }
 

@@ -9,7 +9,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::{
     Ctx, MAX_DETAIL_MESSAGE, ObservedPod, PlannedAction, PodIntent, PodPhase, Role, add,
-    close_gates, note_phase, until,
+    close_gates, not_ready_deadline, note_phase, until,
 };
 use crate::crd::{DecodeNotReady, GroupPhase, GroupStatus};
 use crate::names::pod_name;
@@ -211,13 +211,13 @@ pub(super) fn build_group(
 
 /// Ask to be called again when a not-ready member of a started group reaches the window.
 pub(super) fn schedule_not_ready_check(ctx: &mut Ctx<'_>, pods: &[&ObservedPod]) {
-    let window = Duration::from_secs(ctx.input.spec.health.co_restart_after_seconds.max(1) as u64);
+    let health = &ctx.input.spec.health;
     let now = ctx.input.now;
     let next = pods
         .iter()
         .filter(|p| !p.ready)
         .filter_map(|p| p.not_ready_since)
-        .map(|s| until(now, add(s, window)))
+        .map(|s| until(now, not_ready_deadline(health, s)))
         .min();
     if let Some(d) = next {
         ctx.requeue_in(d);

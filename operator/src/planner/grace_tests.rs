@@ -81,7 +81,7 @@ fn a_hung_prefill_gets_the_short_grace_and_its_decode_the_full_one() {
     assert!(
         ev.message.contains(&p)
             && ev.message.contains("incarnation 1")
-            && ev.message.contains("grace 2s")
+            && ev.message.contains(&format!("grace {SHORT}s"))
             && ev.message.contains("MemberNotReady"),
         "{}",
         ev.message

@@ -10,7 +10,7 @@ use super::build::{build_group, decode_not_ready};
 use super::{
     CoRestart, Ctx, DeleteReason, ENDPOINTS_SETTLE, EventKind, Grace, ObservedPod, PlannedAction,
     PodPhase, READY_DETAIL_REFRESH, Role, Trigger, UnresponsiveCause, add, backoff_delay,
-    close_gates, force_delete_margin, is_failure, note_phase, until,
+    close_gates, force_delete_margin, is_failure, not_ready_deadline, note_phase, until,
 };
 use crate::crd::{CoRestartReason, CoRestartRecord, GroupPhase, GroupStatus, RestartPolicy};
 use crate::reasons::EventReason;
@@ -318,7 +318,7 @@ pub(super) fn find_trigger(
             continue;
         }
         let since = p.not_ready_since.unwrap_or(input.now);
-        let deadline = add(since, window);
+        let deadline = not_ready_deadline(&input.spec.health, since);
         if deadline <= input.now {
             let mut detail = format!(
                 "{} pod {} not ready for more than {}s",

@@ -48,6 +48,8 @@ pub const IN_PLACE_REASONS: &[&str] = &[
     "peer_lost",
     "peer_unreachable",
     "loop_stalled",
+    // Only a stalled KV transfer (`kv_transfer: ...`): an engine that makes no progress
+    // (`engine: ...`) needs new pods (see `refusal`).
     "no_progress",
 ];
 
@@ -112,6 +114,14 @@ pub(super) fn refusal(
                 return Some(format!("prefill pod {} is not ready (it may hang)", p.name));
             }
             Role::Decode if !p.ready => match &p.ready_detail {
+                // `no_progress` names what stalled first: the engine (a reset keeps the
+                // engine thread, so the stall outlives it) or the KV transfer (the channel).
+                Some(d) if d.reason == "no_progress" && d.message.starts_with("engine:") => {
+                    return Some(format!(
+                        "decode pod {} makes no progress in its engine, which a reset keeps",
+                        p.name
+                    ));
+                }
                 Some(d) if IN_PLACE_REASONS.contains(&d.reason.as_str()) => {}
                 Some(d) => {
                     return Some(format!(

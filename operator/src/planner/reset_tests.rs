@@ -32,8 +32,12 @@ fn has_event(sim: &Sim, plan: &Plan, reason: EventReason) -> Option<PlannedEvent
 /// Make the decode of group 0 report `reason` and let the co-restart window pass; returns
 /// the plan that decided.
 fn decode_fault(sim: &mut Sim, reason: &str) -> Plan {
+    decode_fault_saying(sim, reason, "the channel says so")
+}
+
+fn decode_fault_saying(sim: &mut Sim, reason: &str, message: &str) -> Plan {
     let d = only_pod(sim, 0, Role::Decode);
-    sim.report(&d, reason, "the channel says so");
+    sim.report(&d, reason, message);
     sim.reconcile();
     let window = sim.spec.health.co_restart_after_seconds as u64;
     sim.advance(window + 1);
@@ -150,6 +154,26 @@ fn faults_a_reset_cannot_heal_recreate_the_pods() {
     assert_eq!(Sim::deleted(&plan).len(), 1);
     let ev = has_event(&sim, &plan, EventReason::CoRestart(R::MemberNotReady)).unwrap();
     assert!(ev.message.contains("engine_stalled"), "{}", ev.message);
+
+    // The decode's engine makes no progress (held, or every step failing): the same.
+    let mut sim = ready_sim(1);
+    let plan = decode_fault_saying(
+        &mut sim,
+        "no_progress",
+        "engine: work queued or running and no step succeeded for 31s (limit 30s)",
+    );
+    assert!(!plan.co_restarts[0].in_place);
+    assert!(resets(&plan).is_empty());
+    assert_eq!(Sim::deleted(&plan).len(), 1);
+    // Its KV transfer making no progress is the channel's fault: reset in place.
+    let mut sim = ready_sim(1);
+    let plan = decode_fault_saying(
+        &mut sim,
+        "no_progress",
+        "kv_transfer: KV bytes in flight and none moved for 31s (limit 30s)",
+    );
+    assert!(plan.co_restarts[0].in_place);
+    assert_eq!(resets(&plan).len(), 1);
 
     // A decode that does not say why (it may hang).
     let mut sim = ready_sim(1);

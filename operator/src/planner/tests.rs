@@ -239,10 +239,22 @@ fn member_deleted_when_a_pod_vanishes() {
     assert_eq!(Sim::deleted(&plan)[0].1, Role::Prefill);
 }
 
+/// The window counts from the member's first failed probe: its readiness turned false
+/// (threshold − 1) probe periods after that.
+fn window_after_the_flip(sim: &Sim) -> u64 {
+    let h = &sim.spec.health;
+    let detection = (h.failure_threshold as u64 - 1) * h.probe_period_seconds as u64;
+    assert!(
+        detection > 0,
+        "the spec's probes must detect over time for this to test it"
+    );
+    h.co_restart_after_seconds as u64 - detection
+}
+
 #[test]
 fn member_not_ready_after_the_window_only() {
     let mut sim = ready_sim(1);
-    let window = sim.spec.health.co_restart_after_seconds as u64;
+    let window = window_after_the_flip(&sim);
     let d = only_pod(&sim, 0, Role::Decode);
     sim.set_ready(&d, false);
     let plan = sim.reconcile();
@@ -251,6 +263,21 @@ fn member_not_ready_after_the_window_only() {
     sim.advance(window - 1);
     assert!(sim.reconcile().co_restarts.is_empty());
     sim.advance(1);
+    let plan = sim.reconcile();
+    assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::MemberNotReady)]);
+}
+
+#[test]
+fn a_window_shorter_than_the_detection_ends_at_the_flip_not_before() {
+    let mut s = spec(1);
+    s.health.co_restart_after_seconds = 1;
+    s.health.probe_period_seconds = 2;
+    s.health.failure_threshold = 3;
+    let mut sim = Sim::new(s);
+    sim.settle(50);
+    assert_eq!(sim.group(0).phase, GroupPhase::Ready);
+    let d = only_pod(&sim, 0, Role::Decode);
+    sim.set_ready(&d, false);
     let plan = sim.reconcile();
     assert_eq!(Sim::co_restart_reasons(&plan), vec![(0, R::MemberNotReady)]);
 }
@@ -737,7 +764,6 @@ fn a_pod_stuck_terminating_past_its_grace_is_force_deleted() {
     // on a lost node: no kubelet will confirm).
     let plan = sim.reconcile();
     assert_eq!(Sim::deleted(&plan), vec![(p.clone(), Role::Prefill)]);
-    sim.advance(1);
     let plan = sim.reconcile();
     assert!(
         !plan
@@ -746,7 +772,7 @@ fn a_pod_stuck_terminating_past_its_grace_is_force_deleted() {
             .any(|a| matches!(a, PlannedAction::ForceDeletePod { .. }))
     );
     let wake = plan.requeue_after.expect("a requeue at the grace's end");
-    assert_eq!(wake, short - Duration::from_secs(1));
+    assert_eq!(wake, short);
     sim.advance(wake.as_secs());
     let plan = sim.reconcile();
     for (name, role) in [(&d, Role::Decode), (&p, Role::Prefill)] {

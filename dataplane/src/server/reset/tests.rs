@@ -556,19 +556,28 @@ fn a_reset_that_abandons_a_stuck_kv_loop_serves_at_once_on_the_new_channel() {
     let stuck: Vec<_> = (0..16)
         .map(|_| {
             std::thread::spawn(move || {
-                let body = json!({"model": "toy", "prompt": "Hi there", "max_tokens": 4})
-                    .to_string();
+                let body =
+                    json!({"model": "toy", "prompt": "Hi there", "max_tokens": 4}).to_string();
                 request(addr, "POST", "/v1/completions", Some(&body))
             })
         })
         .collect();
-    decode.wait("decode not ready: loop_stalled", Duration::from_secs(5), |b| {
-        b["ready"] == false && ready_reason(b) == "loop_stalled"
-    });
+    decode.wait(
+        "decode not ready: loop_stalled",
+        Duration::from_secs(5),
+        |b| b["ready"] == false && ready_reason(b) == "loop_stalled",
+    );
     assert_eq!(prefill.reset(GROUP + 1).status, 200);
+    let reset_at = Instant::now();
     let r = decode.reset(GROUP + 1);
+    let reset_took = reset_at.elapsed();
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["ready"], true, "{}", r.body);
+    // The loop had missed its heartbeats: the reset does not wait its 2 s for it.
+    assert!(
+        reset_took < Duration::from_secs(1),
+        "the reset took {reset_took:?}"
+    );
     for t in stuck {
         let r = t.join().unwrap();
         assert_eq!(r.status, 503, "{}", r.body);
@@ -586,7 +595,7 @@ fn a_reset_that_abandons_a_stuck_kv_loop_serves_at_once_on_the_new_channel() {
         took < Duration::from_secs(2),
         "served {took:?} after the reset: the old channel's requests held the engine"
     );
-    println!("served {took:?} after a reset that abandoned a stuck KV loop");
+    println!("reset (abandoning a stuck KV loop) {reset_took:?}, then served {took:?} after it");
     // Their blocks are back too, before the stuck thread wakes.
     let settle = Instant::now();
     while (prefill.blocks_used(), decode.blocks_used()) != (p0, d0)

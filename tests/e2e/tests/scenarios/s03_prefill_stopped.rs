@@ -134,7 +134,7 @@ pub async fn run(env: &Env) -> Result<()> {
         "co-restart after {co_restart_at:?}, before the {WINDOW_S}s window"
     );
     // The stopped prefill ignores SIGTERM; it is deleted with the short grace of an
-    // unresponsive member (health.unresponsiveGraceSeconds, 2 s: not its pod's 30 s), the
+    // unresponsive member (health.unresponsiveGraceSeconds, 1 s by default: not its pod's 30 s), the
     // kubelet's SIGKILL after it ends it, and the group comes back at the next incarnation.
     let p = wait_ready(env, ns, name, 1, Duration::from_secs(120)).await?;
     figure(

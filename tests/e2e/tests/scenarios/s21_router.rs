@@ -3,7 +3,8 @@
 //! restricted Pod Security profile; chats through its Service reach the decodes of both
 //! groups; while one group's decode is SIGKILLed and the group co-restarts, a steady load
 //! through the router fails no request (Ready groups only, one retry before the first
-//! byte); afterwards the co-restarted group gets traffic again. Prints the counts.
+//! byte); afterwards the co-restarted group gets traffic again; after a scale-up to three
+//! groups the new group gets traffic too. Prints the counts.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -170,6 +171,36 @@ pub async fn run(env: &Env) -> Result<()> {
         },
     )
     .await?;
+
+    // A scale-up: the router finds the third group once it is Ready and sends to it.
+    merge_patch_pdd(env, ns, name, &serde_json::json!({"spec": {"groups": 3}})).await?;
+    wait_ready(env, ns, name, 3, Duration::from_secs(180)).await?;
+    let d2 = member(env, ns, name, 2, "decode").await?;
+    let ip2 = pod_ip(&d2).context("decode 2 IP")?;
+    let before = answered(&ip2).await?;
+    let scaled = std::time::Instant::now();
+    let mut sent = 0u32;
+    let (rip, ip2r) = (router_ip.as_str(), ip2.as_str());
+    wait::until(
+        "the router to send to the group the scale-up added",
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || {
+            sent += 1;
+            async move {
+                chat(rip, Duration::from_secs(30)).await?;
+                Ok((answered(ip2r).await? > before).then_some(()))
+            }
+        },
+    )
+    .await?;
+    figure(
+        "router follows a scale-up",
+        format!(
+            "group 2 answered a chat {:.1} s after it was Ready ({sent} chats sent)",
+            scaled.elapsed().as_secs_f64()
+        ),
+    );
 
     env.kubectl
         .ok(&["delete", "pdd", name, "-n", ns, "--wait=true"])
