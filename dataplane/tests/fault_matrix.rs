@@ -237,6 +237,41 @@ fn prefill_hang(pd: &mut Pd, _: &Counter<'_>) -> Acted {
     Acted::default()
 }
 
+/// The decode stops (SIGSTOP) 4 s: the prefill expires its session (no PING within the
+/// session expiry, 2 s here) and says so; the clients' requests wait in the stopped
+/// decode's socket (its kernel accepts them) and are answered after SIGCONT, when the
+/// decode handshakes again.
+fn decode_hang(pd: &mut Pd, c: &Counter<'_>) -> Acted {
+    pd.decode.signal("STOP");
+    let at = Instant::now();
+    let moved = c.moved(pd, 0.0, Duration::from_secs(4));
+    std::thread::sleep(Duration::from_secs(4).saturating_sub(at.elapsed()));
+    pd.decode.signal("CONT");
+    Acted {
+        at: Some(at),
+        end: Some(Instant::now()),
+        moved,
+        ..Acted::default()
+    }
+}
+
+/// The decode's engine holds its work 4 s without stepping (fault injection), with a
+/// no-progress limit of 1 s: `/ready` turns `no_progress` with the reason, and back once
+/// the engine steps again.
+fn engine_no_progress(pd: &mut Pd, c: &Counter<'_>) -> Acted {
+    inject(&pd.decode, "loop=engine&fault=hold&ms=4000");
+    let at = Instant::now();
+    let moved = c.moved(pd, 0.0, Duration::from_secs(4));
+    let left = Duration::from_secs(4).saturating_sub(at.elapsed());
+    std::thread::sleep(left);
+    Acted {
+        at: Some(at),
+        end: Some(Instant::now()),
+        moved,
+        ..Acted::default()
+    }
+}
+
 /// Replace the prefill with one that the decode must refuse (or that refuses it), held a
 /// moment with the reason in `/ready`, then with a good one again.
 fn mismatch(
@@ -423,6 +458,14 @@ fn faults(other_model: &str) -> Vec<Fault> {
         kv_memory_exhausted,
     );
     kv_memory.own_pair = Some(vec!["--kv-blocks", "24", "--queue-timeout-seconds", "1"]);
+    let mut no_progress = fault(
+        "decode engine making no progress (held 4 s, limit 1 s)",
+        Decode,
+        &["not ready: work is making no progress"],
+        "tandem_progress_stalls_total{reason=\"no_progress\"}",
+        engine_no_progress,
+    );
+    no_progress.own_pair = Some(vec!["--no-progress-seconds", "1"]);
     vec![
         loop_panic(Decode),
         loop_panic(Prefill),
@@ -485,6 +528,13 @@ fn faults(other_model: &str) -> Vec<Fault> {
         ),
         sigterm(Decode),
         fault(
+            "decode hang (SIGSTOP 4 s, SIGCONT)",
+            Prefill,
+            &["decode session dropped", "expired"],
+            "tandem_kv_sessions_dropped_total{reason=\"expired\"}",
+            decode_hang,
+        ),
+        fault(
             "slow-loris HTTP clients (50, header timeout 2 s)",
             Decode,
             &["connection ended with a protocol error", "timeout"],
@@ -499,6 +549,7 @@ fn faults(other_model: &str) -> Vec<Fault> {
             disconnect_storm,
         ),
         kv_memory,
+        no_progress,
     ]
 }
 

@@ -53,6 +53,15 @@ pub const IN_PLACE_REASONS: &[&str] = &[
     "no_progress",
 ];
 
+/// Whether a `no_progress` message (`engine_progress: engine: ...` or `engine_progress:
+/// kv_transfer: ...`, docs/readiness.md) says the engine stalled.
+fn stalled_in_engine(message: &str) -> bool {
+    message
+        .strip_prefix("engine_progress: ")
+        .unwrap_or(message)
+        .starts_with("engine:")
+}
+
 /// Longest single reset call: the member answers as soon as it is ready at the new
 /// incarnation; a call that has not by then is asked again on a later plan.
 pub const MAX_RESET_CALL: Duration = Duration::from_secs(5);
@@ -114,9 +123,10 @@ pub(super) fn refusal(
                 return Some(format!("prefill pod {} is not ready (it may hang)", p.name));
             }
             Role::Decode if !p.ready => match &p.ready_detail {
-                // `no_progress` names what stalled first: the engine (a reset keeps the
-                // engine thread, so the stall outlives it) or the KV transfer (the channel).
-                Some(d) if d.reason == "no_progress" && d.message.starts_with("engine:") => {
+                // `no_progress` names what stalled first (after its check's name): the
+                // engine (a reset keeps the engine thread, so the stall outlives it) or the
+                // KV transfer (the channel).
+                Some(d) if d.reason == "no_progress" && stalled_in_engine(&d.message) => {
                     return Some(format!(
                         "decode pod {} makes no progress in its engine, which a reset keeps",
                         p.name

@@ -160,7 +160,7 @@ fn faults_a_reset_cannot_heal_recreate_the_pods() {
     let plan = decode_fault_saying(
         &mut sim,
         "no_progress",
-        "engine: work queued or running and no step succeeded for 31s (limit 30s)",
+        "engine_progress: engine: work queued or running and no step succeeded for 31.0 s (limit 30.0 s; last successful step 31.0 s ago)",
     );
     assert!(!plan.co_restarts[0].in_place);
     assert!(resets(&plan).is_empty());
@@ -170,7 +170,7 @@ fn faults_a_reset_cannot_heal_recreate_the_pods() {
     let plan = decode_fault_saying(
         &mut sim,
         "no_progress",
-        "kv_transfer: KV bytes in flight and none moved for 31s (limit 30s)",
+        "engine_progress: kv_transfer: KV bytes in flight and none moved for 31.0 s (limit 30.0 s)",
     );
     assert!(plan.co_restarts[0].in_place);
     assert_eq!(resets(&plan).len(), 1);
