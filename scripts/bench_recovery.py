@@ -50,12 +50,18 @@ MANIFEST = os.path.join(ROOT, "manifests/examples/smollm2-local.yaml")
 MODEL = os.path.join(ROOT, ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 CLIENT_TIMEOUT = 15.0
 PERIOD = 0.1
-CHAT = json.dumps({
-    "model": "smollm2-135m-instruct",
-    "messages": [{"role": "user", "content": "What is the capital of France?"}],
-    "max_tokens": 8,
-    "temperature": 0,
-}).encode()
+
+
+def chat_body(model_name):
+    return json.dumps({
+        "model": model_name,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }).encode()
+
+
+CHAT = chat_body("smollm2-135m-instruct")
 FAULTS = ["decode_sigkill", "prefill_sigkill", "prefill_sigstop", "decode_sigstop",
           "kv_loop_stall", "incarnation_fault", "no_progress", "channel_partition"]
 CRASH = {"decode_sigkill", "prefill_sigkill"}
@@ -135,6 +141,8 @@ class Runtime:
         m["metadata"]["name"] = name
         m["spec"]["groups"] = groups
         m["spec"]["model"]["path"] = MODEL
+        if args.model:
+            m["spec"]["model"]["name"] = args.model
         for role in ("prefill", "decode"):
             spec = m["spec"][role]
             spec["args"] = list(spec.get("args", [])) + ["--fault-injection"]
@@ -422,7 +430,20 @@ def main():
     ap.add_argument("--probe-period", type=int, help="health.probePeriodSeconds instead of the example's")
     ap.add_argument("--failure-threshold", type=int, help="health.failureThreshold instead of the example's")
     ap.add_argument("--unresponsive-grace", type=int, help="health.unresponsiveGraceSeconds instead of the example's")
+    ap.add_argument("--period", type=float, default=0.1,
+                    help="seconds between the client's requests (a larger model needs more)")
+    ap.add_argument("--model", help="a model of scripts/fetch-model.sh (fetched if absent) instead of SmolLM2, "
+                    "to show the reload an in-place reset avoids")
     args = ap.parse_args()
+    global MODEL, CHAT, PERIOD
+    PERIOD = args.period
+    if args.model:
+        fetch = os.path.join(ROOT, "scripts/fetch-model.sh")
+        subprocess.run([fetch, args.model], check=True)
+        MODEL = subprocess.run([fetch, "--path", args.model], check=True, capture_output=True,
+                               text=True).stdout.strip()
+        CHAT = chat_body(args.model)
+    model_label = args.model or "SmolLM2"
     if "channel_partition" in args.faults and iptables("-L", "INPUT", "-n").returncode != 0:
         print("skipped: channel_partition (iptables does not work here)")
         args.faults = [f for f in args.faults if f != "channel_partition"]
@@ -445,7 +466,7 @@ def main():
                   f"co-restart at {fmt(r['decided_after'])}{' in place' if r['in_place'] else ''}"
                   f", reset {fmt(r['reset_took'])}", flush=True)
             if groups == args.groups[0] and fault == args.svg_fault:
-                svg(r, args.svg, f"{fault.replace('_', ' ')}, {groups} group(s), local runtime, SmolLM2")
+                svg(r, args.svg, f"{fault.replace('_', ' ')}, {groups} group(s), local runtime, {model_label}")
     print(open("/proc/loadavg").read().strip(), "(load after)")
     if args.json:
         with open(args.json, "w") as f:

@@ -3,8 +3,10 @@
 
 /// `GET` [`REPORT_PATH`]`?since=<version>`: the decode's load and the keys of the KV
 /// blocks its prefix cache holds: `{"blockTokens", "waiting", "running", "kvBlocksUsed",
-/// "kvBlocksTotal", "kvCacheUsage", "prefixVersion", "keys"}`; `keys` (16 hex digits each)
-/// is left out when the prefix cache has not changed since `since`.
+/// "kvBlocksTotal", "kvCacheUsage", "prefixVersion", "engineStalledMs", "keys"}`; `keys`
+/// (16 hex digits each) is left out when the prefix cache has not changed since `since`;
+/// `engineStalledMs` is how long the engine has had requests queued or running without a
+/// successful step (0 while idle or stepping).
 pub const REPORT_PATH: &str = "/tandem/report";
 
 /// `POST` [`PROMPT_KEYS_PATH`]`?api=chat|completions` with the body of an OpenAI request:

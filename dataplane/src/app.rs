@@ -126,6 +126,7 @@ pub fn build(cfg: &Config) -> Result<App> {
         fault_injection: cfg.fault_injection,
         no_progress: cfg.no_progress(),
         progress: Default::default(),
+        readiness: Default::default(),
         api_keys,
         kv_block_tokens: info.kv_block_size,
     });

@@ -391,6 +391,9 @@ pub struct Metrics {
     pub progress_stalls: Family<ReasonLabels, Counter>,
     /// In-place reset calls (`POST /admin/reset`), by outcome (`pd::reset::Outcome`).
     pub resets: Family<OutcomeLabels, Counter>,
+    /// Turns of `/ready` to not ready, by the first failing check's reason (a change of
+    /// reason while not ready counts again).
+    pub not_ready: Family<ReasonLabels, Counter>,
     /// KV blocks in use over all blocks, 0 to 1 (the Gateway API Inference Extension's
     /// KVCacheUsage, named as vLLM's `kv_cache_usage_perc`; docs/routing.md).
     pub kv_cache_usage: Gauge<f64, AtomicU64>,
@@ -494,6 +497,12 @@ impl Metrics {
         let _ = progress_stalls.get_or_create(&ReasonLabels {
             reason: "no_progress".into(),
         });
+        let not_ready = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "not_ready",
+            "Turns of /ready to not ready, by the first failing check's reason",
+            not_ready.clone(),
+        );
         let resets = Family::<OutcomeLabels, Counter>::default();
         registry.register(
             "resets",
@@ -563,6 +572,7 @@ impl Metrics {
             kv_blocks_free,
             progress_stalls,
             resets,
+            not_ready,
             kv_cache_usage,
             cache_config,
             prefix_report: Default::default(),

@@ -266,6 +266,24 @@ pub struct EngineProgress {
     pub failed_steps: u64,
 }
 
+/// How long work must have gone without a step for its departure to leave the stall
+/// counting ([`EngineHealth::note_work`]): far above any step of a working engine.
+pub const ABANDONED_STALL: Duration = Duration::from_secs(1);
+
+impl EngineProgress {
+    /// How long the engine has had work without a successful step: from the later of
+    /// the work's start and the last success (zero while idle). What a router reads to
+    /// stop sending to an engine that is alive but stuck (`engineStalledMs`).
+    pub fn stalled_for(&self) -> Duration {
+        let since = match (self.work_since, self.last_step_ok) {
+            (Some(w), Some(ok)) => w.max(ok),
+            (Some(w), None) => w,
+            (None, _) => return Duration::ZERO,
+        };
+        self.now.saturating_sub(since)
+    }
+}
+
 /// A fault the engine can be told to play (tests only; see `pd::supervise`'s opt-in).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EngineFault {
@@ -306,12 +324,25 @@ impl EngineHealth {
     }
     /// Once per loop round: whether requests are queued or running. A store only when the
     /// state changes.
+    ///
+    /// Work that leaves after [`ABANDONED_STALL`] without a successful step — its clients
+    /// gave up on the engine, or a router took the requests back to send them elsewhere —
+    /// leaves the spell open: the engine has not shown it can step, so the stall goes on
+    /// counting (`/ready`'s `no_progress`, the report's `engineStalledMs`) until a step
+    /// succeeds. Otherwise a wedged engine whose waiting requests are always withdrawn in
+    /// time would look idle, and ready, for ever. Work that leaves sooner (a client that
+    /// cancels at once) closes the spell as before.
     pub(crate) fn note_work(&self, work: bool) {
         let since = self.work_since.load(Ordering::Relaxed);
         if work && since == 0 {
             self.work_since.store(self.now_ms() + 1, Ordering::Relaxed);
         } else if !work && since != 0 {
-            self.work_since.store(0, Ordering::Relaxed);
+            let last_ok = self.last_step_ok.load(Ordering::Relaxed);
+            let stalled_ms = (self.now_ms() + 1).saturating_sub(since.max(last_ok));
+            let stepped = last_ok >= since;
+            if stepped || stalled_ms < ABANDONED_STALL.as_millis() as u64 {
+                self.work_since.store(0, Ordering::Relaxed);
+            }
         }
     }
     /// A step succeeded: one relaxed store, two more only after a failure streak.

@@ -110,6 +110,8 @@ pub struct AppState {
     pub api_keys: tandem_contract::api_keys::ApiKeys,
     /// Tokens per KV block (the prompt keys a router matches are of whole blocks).
     pub kv_block_tokens: usize,
+    /// What `/ready` answered last (each turn logged and counted once).
+    pub readiness: ready::ReadinessWatch,
 }
 
 /// Shutdown state shared by `serve`, `/ready` and the request handlers.

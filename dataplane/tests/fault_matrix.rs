@@ -272,6 +272,22 @@ fn engine_no_progress(pd: &mut Pd, c: &Counter<'_>) -> Acted {
     }
 }
 
+/// The decode's KV loop stops beating for 3 s (fault injection: a loop stuck in a
+/// blocking call): `/ready` turns `loop_stalled`, which the member logs and counts as it
+/// turns, and back once the loop goes round again.
+fn kv_loop_stall(pd: &mut Pd, c: &Counter<'_>) -> Acted {
+    inject(&pd.decode, "loop=kv_peer_0&fault=stall&ms=3000");
+    let at = Instant::now();
+    let moved = c.moved(pd, 0.0, Duration::from_secs(3));
+    std::thread::sleep(Duration::from_secs(3).saturating_sub(at.elapsed()));
+    Acted {
+        at: Some(at),
+        end: Some(Instant::now()),
+        moved,
+        ..Acted::default()
+    }
+}
+
 /// Replace the prefill with one that the decode must refuse (or that refuses it), held a
 /// moment with the reason in `/ready`, then with a good one again.
 fn mismatch(
@@ -547,6 +563,13 @@ fn faults(other_model: &str) -> Vec<Fault> {
             &["request aborted"],
             "tandem_request_failures_total{reason=\"client_disconnected\"}",
             disconnect_storm,
+        ),
+        fault(
+            "decode KV loop stalled (3 s)",
+            Decode,
+            &["not ready", "loop_stalled"],
+            "tandem_not_ready_total{reason=\"loop_stalled\"}",
+            kv_loop_stall,
         ),
         kv_memory,
         no_progress,

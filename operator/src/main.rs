@@ -78,6 +78,11 @@ struct RouterArgs {
     /// A directory whose every file holds accepted API keys (a mounted Secret).
     #[arg(long)]
     api_key_dir: Option<PathBuf>,
+    /// Seconds a decode's engine may have work and make no step before the router sends
+    /// it nothing new and moves what waits there for a first byte to another group
+    /// (docs/routing.md); 0: off.
+    #[arg(long, default_value_t = 5)]
+    stall_seconds: u64,
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
 }
@@ -115,6 +120,11 @@ struct LocalArgs {
     /// byte of its answer: 1 or 0.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
     retries: u8,
+    /// Seconds a decode's engine may have work and make no step before the router sends
+    /// it nothing new and moves what waits there for a first byte to another group
+    /// (docs/routing.md); 0: off.
+    #[arg(long, default_value_t = 5)]
+    stall_seconds: u64,
     /// A key clients must send as `Authorization: Bearer <key>` on `/v1/*` (`/health`,
     /// `/ready` and `/metrics` stay open). Prefer the variable or the file: a command
     /// line is visible to every user of the machine.
@@ -222,6 +232,7 @@ fn run_local(args: LocalArgs) -> anyhow::Result<()> {
         router: local::router::config(
             args.routing,
             args.retries,
+            Duration::from_secs(args.stall_seconds),
             args.api_key.as_deref(),
             args.api_key_file.as_deref(),
         )?,
@@ -244,6 +255,7 @@ async fn run_router(args: RouterArgs) -> anyhow::Result<()> {
     };
     let cfg = tandem_router::RouterConfig {
         api_keys,
+        stall_limit: Duration::from_secs(args.stall_seconds),
         ..tandem_router::RouterConfig::default()
     };
     let (_, watch_client) = clients().await?;

@@ -726,4 +726,6 @@ mod router_tests;
 #[cfg(test)]
 mod sim;
 #[cfg(test)]
+mod status_tests;
+#[cfg(test)]
 mod tests;

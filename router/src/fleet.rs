@@ -115,8 +115,21 @@ impl TargetState {
         self.known().holdings.note_sent(keys, now_ms);
     }
 
-    /// The policy's view of this decode for a prompt with `keys`.
-    pub fn backend(&self, t: &Target, keys: &[u64], now_ms: u64) -> Backend {
+    /// How long its engine has had work without a step, as of now: its fresh report's
+    /// figure plus the report's age (`None`: no fresh report, or not stalled then).
+    pub fn engine_stalled_for(&self) -> Option<Duration> {
+        let k = self.known();
+        let (r, at) = k.report.as_ref()?;
+        let age = at.elapsed();
+        (age < STALE_REPORT && r.engine_stalled_ms > 0)
+            .then(|| Duration::from_millis(r.engine_stalled_ms) + age)
+    }
+
+    /// The policy's view of this decode for a prompt with `keys`; `stall_limit` is the
+    /// router's (zero: stalls ignored).
+    pub fn backend(&self, t: &Target, keys: &[u64], now_ms: u64, stall_limit: Duration) -> Backend {
+        let stalled =
+            !stall_limit.is_zero() && self.engine_stalled_for().is_some_and(|d| d >= stall_limit);
         let k = self.known();
         let fresh = k
             .report
@@ -136,6 +149,7 @@ impl TargetState {
                 in_flight: self.in_flight(),
             },
             cooling: self.cooling_until.load(Ordering::Relaxed) > now_ms,
+            stalled,
         }
     }
 }

@@ -39,6 +39,7 @@ pub const ATTEMPT_FAILURES: &[&str] = &[
     "connect_failed",
     "closed_before_response",
     "closed_before_first_byte",
+    "engine_stalled",
     "status_500",
     "status_502",
     "status_503",

@@ -20,6 +20,10 @@
 //!   first, whatever the cost; a session whose decode is not eligible is routed by cost
 //!   (the host pins it to the new choice).
 //! - **Cooling**: a decode that failed a request lately goes after the others.
+//! - **Stalled**: a decode whose engine has had work and made no step for the router's
+//!   stall limit (its report says so) goes after every other, cooling ones included, and a
+//!   session pinned to it is routed by cost: it is alive and may be ready, but what is
+//!   sent there waits.
 //! - **Round robin** ([`Mode::RoundRobin`]): the eligible decodes in rotation, nothing else
 //!   considered (the baseline the benchmark compares against).
 
@@ -38,6 +42,8 @@ pub struct Backend {
     pub load: Load,
     /// A request to it failed lately (refused, closed, 5xx): tried after the others.
     pub cooling: bool,
+    /// Its engine has had work and made no step for the stall limit: tried last.
+    pub stalled: bool,
 }
 
 impl Backend {
@@ -186,6 +192,7 @@ pub fn rank(req: &Request, backends: &[Backend], cfg: &PolicyConfig) -> Ranking 
         .sum();
     let cap = load_cap(total, n, cfg);
     struct Key {
+        stalled: bool,
         cooling: bool,
         over: bool,
         cost: f64,
@@ -214,6 +221,7 @@ pub fn rank(req: &Request, backends: &[Backend], cfg: &PolicyConfig) -> Ranking 
                 + cfg.request_cost * f64::from(out)
                 + cfg.kv_cost * kv;
             Key {
+                stalled: b.stalled,
                 cooling: b.cooling,
                 over,
                 cost,
@@ -224,8 +232,8 @@ pub fn rank(req: &Request, backends: &[Backend], cfg: &PolicyConfig) -> Ranking 
         })
         .collect();
     keys.sort_by(|a, b| {
-        (a.cooling, a.over)
-            .cmp(&(b.cooling, b.over))
+        (a.stalled, a.cooling, a.over)
+            .cmp(&(b.stalled, b.cooling, b.over))
             .then(a.cost.total_cmp(&b.cost))
             .then(a.turn.cmp(&b.turn))
     });
@@ -236,6 +244,7 @@ pub fn rank(req: &Request, backends: &[Backend], cfg: &PolicyConfig) -> Ranking 
     };
     let mut order: Vec<usize> = keys.iter().map(|k| k.idx).collect();
     if let Some(s) = req.session
+        && !backends[s].stalled
         && let Some(pos) = order.iter().position(|&i| i == s)
     {
         let s = order.remove(pos);

@@ -8,6 +8,13 @@
 //! The answer's head is held until its body's first frame has come (or the body is
 //! empty), so a decode that dies between its head and its first token is retried too;
 //! after that, frames pass through as they come (SSE streams stay streams).
+//!
+//! A decode that is alive but whose engine stopped stepping (its report's
+//! `engineStalledMs` past [`RouterConfig::stall_limit`]) gets no new request while another
+//! can take it, and a request waiting there for its first byte is taken back — its
+//! connection dropped, which ends it in the decode — and sent to the other group, when
+//! there is one that is not stalled itself. Without such a group it stays and waits: the
+//! stall may pass, and the operator acts on the member's `no_progress`.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -83,6 +90,10 @@ pub struct RouterConfig {
     pub connect_timeout: Duration,
     /// Longest wait for a prompt's block keys (then the request is routed by load).
     pub prompt_keys_timeout: Duration,
+    /// A decode whose engine has had work and made no step this long is sent nothing
+    /// new while another can take it, and what waits there for a first byte moves (see
+    /// the module header). Zero: off.
+    pub stall_limit: Duration,
     /// Keys clients must present (`Authorization: Bearer`); none: open.
     pub api_keys: ApiKeys,
     /// The key this router presents to decodes that have API keys. Unset: requests keep
@@ -100,6 +111,9 @@ impl Default for RouterConfig {
             max_body_bytes: 8 << 20,
             connect_timeout: Duration::from_secs(2),
             prompt_keys_timeout: Duration::from_secs(2),
+            // Far above any step of a serving engine (a decode step is milliseconds on a
+            // GPU, tens of them on a CPU), far below a client's patience.
+            stall_limit: Duration::from_secs(5),
             api_keys: ApiKeys::none(),
             upstream_key: None,
             session_header: HeaderName::from_static(SESSION_HEADER),
@@ -174,6 +188,8 @@ enum Failure {
     Connect(String),
     Closed(String),
     BodyBeforeFirstByte(String),
+    /// Taken back before its first byte: the decode's engine stopped stepping.
+    EngineStalled(String),
     Status {
         parts: http::response::Parts,
         body: Bytes,
@@ -186,6 +202,7 @@ impl Failure {
             Self::Connect(_) => "connect_failed",
             Self::Closed(_) => "closed_before_response",
             Self::BodyBeforeFirstByte(_) => "closed_before_first_byte",
+            Self::EngineStalled(_) => "engine_stalled",
             Self::Status { parts, .. } => match parts.status.as_u16() {
                 500 => "status_500",
                 502 => "status_502",
@@ -198,7 +215,10 @@ impl Failure {
 
     fn describe(&self) -> String {
         match self {
-            Self::Connect(w) | Self::Closed(w) | Self::BodyBeforeFirstByte(w) => w.clone(),
+            Self::Connect(w)
+            | Self::Closed(w)
+            | Self::BodyBeforeFirstByte(w)
+            | Self::EngineStalled(w) => w.clone(),
             Self::Status { parts, body } => format!(
                 "answered {}: {}",
                 parts.status.as_u16(),
@@ -327,7 +347,7 @@ impl Router {
             .targets
             .iter()
             .zip(&states)
-            .map(|(t, s)| s.backend(t, &keys, now))
+            .map(|(t, s)| s.backend(t, &keys, now, self.cfg.stall_limit))
             .collect();
         let session = parts
             .headers
@@ -360,24 +380,27 @@ impl Router {
         };
         self.metrics.choice(ranking.why.label());
         let why = ranking.why;
-        let send = async |i: usize| {
+        let retry_to = (self.cfg.retries > 0)
+            .then(|| policy::retry_target(&ranking.order, &backends, first))
+            .flatten();
+        // The first decode's stall moves the request only where it would not stall too.
+        let movable = retry_to.is_some_and(|i| !backends[i].stalled);
+        let send = async |i: usize, movable: bool| {
             states[i].note_sent(&keys, self.fleet.now_ms());
-            self.attempt(&targets.targets[i], &states[i], &parts, &body, why)
+            self.attempt(&targets.targets[i], &states[i], &parts, &body, why, movable)
                 .await
         };
-        let result = match send(first).await {
+        let result = match send(first, movable).await {
             Ok(r) => Ok((first, r, "forwarded")),
             Err(f) => {
-                let next = (self.cfg.retries > 0)
-                    .then(|| policy::retry_target(&ranking.order, &backends, first))
-                    .flatten();
+                let next = retry_to;
                 self.note_failure(&targets.targets[first], &states[first], &f, next.is_none());
                 let unreachable = matches!(f, Failure::Connect(_));
                 match next {
                     None => Err((f, unreachable)),
                     Some(next) => {
                         self.metrics.retries.inc();
-                        match send(next).await {
+                        match send(next, false).await {
                             Ok(r) => Ok((next, r, "retried")),
                             Err(f2) => {
                                 self.note_failure(&targets.targets[next], &states[next], &f2, true);
@@ -478,7 +501,7 @@ impl Router {
         let backends: Vec<policy::Backend> = targets
             .iter()
             .zip(states)
-            .map(|(t, s)| s.backend(t, &[], now))
+            .map(|(t, s)| s.backend(t, &[], now, self.cfg.stall_limit))
             .collect();
         let by_load = policy::rank(
             &policy::Request {
@@ -555,6 +578,7 @@ impl Router {
         parts: &http::request::Parts,
         body: &Bytes,
         why: Why,
+        movable: bool,
     ) -> Result<Response<Body>, Failure> {
         let in_flight = state.start_request();
         let mut req = Request::new(Full::new(body.clone()));
@@ -571,6 +595,51 @@ impl Router {
         if let Some(v) = self.cfg.upstream_key.as_ref().and_then(Secret::bearer) {
             h.insert(header::AUTHORIZATION, v);
         }
+        let answer = self.first_byte(t, req);
+        let (mut rparts, first, rbody) = if movable && !self.cfg.stall_limit.is_zero() {
+            tokio::select! {
+                a = answer => a?,
+                stalled = stalled_past(state, self.cfg.stall_limit) => {
+                    return Err(Failure::EngineStalled(format!(
+                        "decode {} (group {}): its engine has had work and made no step for \
+                         {:.1} s (limit {:.1} s) while the request waited for its first byte",
+                        t.pod,
+                        t.group,
+                        stalled.as_secs_f64(),
+                        self.cfg.stall_limit.as_secs_f64()
+                    )));
+                }
+            }
+        } else {
+            answer.await?
+        };
+        strip_hop_by_hop(&mut rparts.headers);
+        let hs = &mut rparts.headers;
+        if let Ok(v) = HeaderValue::from_str(&t.pod) {
+            hs.insert("x-tandem-pod", v);
+        }
+        hs.insert("x-tandem-group", HeaderValue::from(t.group));
+        hs.insert("x-tandem-route", HeaderValue::from_static(why.label()));
+        let body = Forwarded {
+            first,
+            rest: rbody,
+            _in_flight: in_flight,
+            metrics: self.metrics.clone(),
+            pod: t.pod.clone(),
+            group: t.group,
+        };
+        Ok(Response::from_parts(rparts, body.boxed_unsync()))
+    }
+}
+
+impl Router {
+    /// Send `req` to `t` and wait for the answer's head and its body's first frame (none
+    /// for an empty body); a 5xx, with its body, is a failure to retry.
+    async fn first_byte(
+        &self,
+        t: &Target,
+        req: Request<Full<Bytes>>,
+    ) -> Result<(http::response::Parts, Option<Frame<Bytes>>, Upstream), Failure> {
         let resp = client::exchange(t.addr, req, self.cfg.connect_timeout)
             .await
             .map_err(|e| match e {
@@ -581,7 +650,7 @@ impl Router {
                     Failure::Closed(format!("decode {} (group {}): {e}", t.pod, t.group))
                 }
             })?;
-        let (mut rparts, mut rbody) = resp.into_parts();
+        let (rparts, mut rbody) = resp.into_parts();
         if rparts.status.is_server_error() {
             let body = tokio::time::timeout(
                 ERROR_BODY_TIMEOUT,
@@ -607,22 +676,18 @@ impl Router {
                 )));
             }
         };
-        strip_hop_by_hop(&mut rparts.headers);
-        let hs = &mut rparts.headers;
-        if let Ok(v) = HeaderValue::from_str(&t.pod) {
-            hs.insert("x-tandem-pod", v);
+        Ok((rparts, first, rbody))
+    }
+}
+
+/// Resolves once `state`'s engine has been stalled for `limit` (its reports, checked
+/// each poll period), with how long; never while it steps.
+async fn stalled_past(state: &TargetState, limit: Duration) -> Duration {
+    loop {
+        if let Some(d) = state.engine_stalled_for().filter(|d| *d >= limit) {
+            return d;
         }
-        hs.insert("x-tandem-group", HeaderValue::from(t.group));
-        hs.insert("x-tandem-route", HeaderValue::from_static(why.label()));
-        let body = Forwarded {
-            first,
-            rest: rbody,
-            _in_flight: in_flight,
-            metrics: self.metrics.clone(),
-            pod: t.pod.clone(),
-            group: t.group,
-        };
-        Ok(Response::from_parts(rparts, body.boxed_unsync()))
+        tokio::time::sleep(crate::fleet::POLL_PERIOD).await;
     }
 }
 

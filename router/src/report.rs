@@ -21,6 +21,10 @@ pub struct Report {
     /// Left out when the prefix cache has not changed since the version asked about.
     #[serde(default)]
     pub keys: Option<Vec<String>>,
+    /// How long its engine has had requests queued or running without a successful step
+    /// (0: idle, or stepping). A decode that predates the field sends none: 0.
+    #[serde(default)]
+    pub engine_stalled_ms: u64,
 }
 
 /// `POST /tandem/prompt-keys`.
@@ -69,6 +73,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.keys, None);
+        assert_eq!(r.engine_stalled_ms, 0, "absent: not stalled");
+        let r = parse_report(
+            br#"{"blockTokens":16,"waiting":3,"running":1,"kvBlocksUsed":4,"kvBlocksTotal":512,
+                "kvCacheUsage":0.01,"prefixVersion":7,"engineStalledMs":6200}"#,
+        )
+        .unwrap();
+        assert_eq!(r.engine_stalled_ms, 6200);
         assert!(parse_report(b"{}").is_err());
         assert!(parse_keys(&["nope".into()]).is_err());
     }

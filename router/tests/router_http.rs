@@ -168,6 +168,66 @@ async fn a_request_whose_decode_fails_before_the_first_byte_is_retried_once_else
     retried_after(Behavior::CloseAfterHead, "closed_before_first_byte").await;
 }
 
+/// A decode whose engine stopped stepping: the request waiting there for its first byte
+/// is taken back once the decode's reports show the stall past the limit and answered by
+/// the other group; the next request goes straight to the other group. Alone, a stalled
+/// decode keeps its request, which is answered when the stall passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_held_by_a_stalled_engine_moves_to_the_group_that_steps() {
+    let held = StandIn::start("held", Behavior::Hold { ms: 20_000 }).await;
+    let good = StandIn::start("good", Behavior::Answer).await;
+    // The held decode is preferred: the good one reports a queue.
+    good.waiting.store(3, Ordering::SeqCst);
+    let cfg = RouterConfig {
+        stall_limit: Duration::from_secs(1),
+        ..RouterConfig::default()
+    };
+    let s = Setup::new(cfg.clone(), vec![held.target(0), good.target(1)]).await;
+    reports().await;
+    let t = std::time::Instant::now();
+    let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", false), &[]).await;
+    let took = t.elapsed();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["pod"], "good");
+    // The stall limit, plus at most a report period and a check period.
+    assert!(
+        took >= Duration::from_secs(1) && took < Duration::from_millis(2500),
+        "answered after {took:?}"
+    );
+    assert_eq!(s.outcome("retried"), 1.0);
+    assert_eq!(
+        s.metric("tandem_router_attempt_failures_total{reason=\"engine_stalled\"}"),
+        1.0
+    );
+    // The router closed its connection: the held request ended in the decode.
+    tokio::time::timeout(Duration::from_secs(2), async {
+        while held.abandoned.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the held request was never abandoned");
+    // A decode still stalled (a second request held there) gets nothing new.
+    held.set(Behavior::Hold { ms: 20_000 });
+    *held.held_since.lock().unwrap() = Some(std::time::Instant::now() - Duration::from_secs(2));
+    reports().await;
+    let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", false), &[]).await;
+    assert_eq!(r.json()["pod"], "good", "{}", r.body);
+    assert_eq!(held.requests(), 1, "nothing new went to the stalled decode");
+
+    // One group only: nowhere to move, so the request stays and is answered.
+    let alone = StandIn::start("alone", Behavior::Hold { ms: 1800 }).await;
+    let s = Setup::new(cfg, vec![alone.target(0)]).await;
+    reports().await;
+    let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", false), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["pod"], "alone");
+    assert_eq!(
+        s.metric("tandem_router_attempt_failures_total{reason=\"engine_stalled\"}"),
+        0.0
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_connection_is_retried_and_a_dead_fleet_answers_503() {
     let good = StandIn::start("good", Behavior::Answer).await;

@@ -726,3 +726,35 @@ fn a_reservation_whose_request_ended_frees_its_slot_while_the_kv_sender_lives() 
     }
     assert_eq!(st.lock().unwrap().used(), 0);
 }
+
+/// Work abandoned on an engine that does not step (held) leaves the stall counting; the
+/// next successful step ends it. Work that leaves at once does not.
+#[test]
+fn work_abandoned_on_a_stalled_engine_keeps_the_stall_until_a_step_succeeds() {
+    let (r, _st) = fake(1000);
+    let (h, _metrics) = start(r, SchedulerConfig::default());
+    // Cancelled at once, on a working engine: the spell closes.
+    drop(h.submit(req(vec![3, 4, 5], 100)).unwrap());
+    wait_until("idle", || !h.health().progress().work);
+    h.health().inject(EngineFault::Hold(Duration::from_secs(3)));
+    let rx = h.submit(req(vec![3, 4, 5], 4)).unwrap();
+    std::thread::sleep(ABANDONED_STALL + Duration::from_millis(300));
+    drop(rx);
+    std::thread::sleep(Duration::from_millis(300));
+    let p = h.health().progress();
+    assert!(p.work, "the spell stays open once its work has left: {p:?}");
+    let before = p.stalled_for();
+    assert!(before >= ABANDONED_STALL, "{p:?}");
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        h.health().progress().stalled_for() > before,
+        "still counting"
+    );
+    // The hold ends; a request steps: the spell closes.
+    wait_until("the hold over", || !h.health().holding());
+    let done = collect(h.submit(req(vec![3, 4, 5], 2)).unwrap());
+    assert!(done.done.is_some(), "{done:?}");
+    wait_until("the stall ended", || {
+        h.health().progress().stalled_for() == Duration::ZERO
+    });
+}

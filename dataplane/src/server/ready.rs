@@ -1,10 +1,17 @@
 //! `/ready`: every check of this process (the engine, the drain, the PD channel) and the
-//! body whose format docs/readiness.md documents.
+//! body whose format docs/readiness.md documents. Each turn of the answer — ready to not
+//! ready, one reason to another, back to ready — is logged once with its reason and
+//! counted (`tandem_not_ready_total{reason}`), so a member that a probe took out of its
+//! Service says why in its own log, also when the spell lasted a second.
+
+use std::sync::Mutex;
+use std::time::Instant;
 
 use http::{Response, StatusCode};
 use serde_json::{Value, json};
 
 use super::{AppState, Body, json_response};
+use crate::metrics::{Metrics, ReasonLabels};
 
 /// Version of the `/ready` body's format (docs/readiness.md); bumped on any change that
 /// could break a reader.
@@ -85,8 +92,59 @@ pub fn ready_body(state: &AppState) -> Value {
     })
 }
 
+/// The last answer of `/ready` (None: ready), kept between probes to see its turns.
+#[derive(Debug, Default)]
+pub struct ReadinessWatch(Mutex<Option<NotReady>>);
+
+#[derive(Debug)]
+struct NotReady {
+    reason: String,
+    since: Instant,
+}
+
+impl ReadinessWatch {
+    /// Log and count the turn `body` makes from the previous answer, if any.
+    fn observe(&self, body: &Value, metrics: &Metrics) {
+        let Ok(mut last) = self.0.lock() else { return };
+        let incarnation = &body["group_incarnation"];
+        match (body["reason"].as_str(), last.as_ref()) {
+            (Some(reason), prev) if prev.is_none_or(|p| p.reason != reason) => {
+                metrics
+                    .not_ready
+                    .get_or_create(&ReasonLabels {
+                        reason: reason.into(),
+                    })
+                    .inc();
+                let message = body["message"].as_str().unwrap_or_default();
+                let was = prev.map(|p| p.reason.as_str()).unwrap_or("ready");
+                // A drain is the process's own decision, announced where it starts.
+                if reason == "draining" {
+                    tracing::info!(reason, %incarnation, was, %message, "not ready");
+                } else {
+                    tracing::warn!(reason, %incarnation, was, %message, "not ready");
+                }
+                *last = Some(NotReady {
+                    reason: reason.into(),
+                    since: prev.map(|p| p.since).unwrap_or_else(Instant::now),
+                });
+            }
+            (None, Some(prev)) => {
+                tracing::info!(
+                    was = %prev.reason,
+                    not_ready_ms = prev.since.elapsed().as_millis() as u64,
+                    %incarnation,
+                    "ready again"
+                );
+                *last = None;
+            }
+            _ => {}
+        }
+    }
+}
+
 pub(super) fn ready(state: &AppState) -> Response<Body> {
     let body = ready_body(state);
+    state.readiness.observe(&body, &state.metrics);
     let status = if body["ready"] == true {
         StatusCode::OK
     } else {

@@ -44,6 +44,7 @@ pub(super) fn report(state: &AppState, query: Option<&str>) -> Response<Body> {
         "kvBlocksTotal": total,
         "kvCacheUsage": m.kv_cache_usage.get(),
         "prefixVersion": version,
+        "engineStalledMs": state.engine.health().progress().stalled_for().as_millis() as u64,
     });
     let since = query_param(query, "since").and_then(|v| v.parse::<u64>().ok());
     if since != Some(version) {

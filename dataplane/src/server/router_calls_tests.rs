@@ -56,6 +56,7 @@ fn the_report_carries_load_and_the_prefix_caches_keys_once_a_router_asks() {
         "kvBlocksTotal",
         "kvCacheUsage",
         "prefixVersion",
+        "engineStalledMs",
     ] {
         assert!(v.get(field).is_some(), "{field} in {v}");
     }
@@ -84,6 +85,37 @@ fn the_report_carries_load_and_the_prefix_caches_keys_once_a_router_asks() {
     );
     let v = request(s.addr, "GET", "/tandem/report?since=4", None).json();
     assert_eq!(keys_of(&v).len(), 2);
+}
+
+/// `engineStalledMs`: zero while idle; growing while a request waits on an engine that
+/// does not step; zero again once it has.
+#[test]
+fn the_report_says_how_long_the_engine_has_had_work_without_a_step() {
+    let s = start(1000);
+    let stalled = || {
+        request(s.addr, "GET", "/tandem/report", None).json()["engineStalledMs"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(stalled(), 0, "idle");
+    s.runner.lock().unwrap().step_delay = Duration::from_millis(1500);
+    let client = chat_in_background(s.addr);
+    let t = Instant::now();
+    while stalled() < 500 {
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "never reported stalled"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    s.runner.lock().unwrap().step_delay = Duration::ZERO;
+    assert_eq!(client.join().unwrap().status, 200);
+    // The engine marks itself idle when it next goes round, just after the answer.
+    let t = Instant::now();
+    while stalled() != 0 {
+        assert!(t.elapsed() < Duration::from_secs(1), "never idle again");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 #[test]

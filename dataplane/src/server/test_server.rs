@@ -153,6 +153,7 @@ fn start_keyed(
         fault_injection: false,
         no_progress: Duration::from_secs(30),
         progress: Default::default(),
+        readiness: Default::default(),
         api_keys,
         kv_block_tokens: crate::test_support::fake_runner::BLOCK,
     });
@@ -183,4 +184,18 @@ pub(super) fn post(s: &TestServer, path: &str, body: &str) -> HttpResponse {
 
 pub(super) fn chat_body(extra: &str) -> String {
     format!(r#"{{"model":"toy","messages":[{{"role":"user","content":"Hi there"}}]{extra}}}"#)
+}
+
+/// A one-token chat request sent from a thread (the test goes on while it waits).
+pub(super) fn chat_in_background(
+    addr: std::net::SocketAddr,
+) -> std::thread::JoinHandle<HttpResponse> {
+    std::thread::spawn(move || {
+        request(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            Some(&chat_body(r#","max_tokens":1"#)),
+        )
+    })
 }

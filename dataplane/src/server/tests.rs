@@ -374,15 +374,7 @@ fn ready_fails_with_the_reason_while_the_engine_is_stalled() {
     assert_eq!(request(s.addr, "GET", "/ready", None).status, 200);
     // Every engine step now takes 1.5 s: a stuck engine, as far as /ready can tell.
     s.runner.lock().unwrap().step_delay = Duration::from_millis(1500);
-    let addr = s.addr;
-    let client = std::thread::spawn(move || {
-        request(
-            addr,
-            "POST",
-            "/v1/chat/completions",
-            Some(&chat_body(r#","max_tokens":1"#)),
-        )
-    });
+    let client = chat_in_background(s.addr);
     let t = Instant::now();
     let stalled = loop {
         let r = request(s.addr, "GET", "/ready", None);
@@ -412,6 +404,12 @@ fn ready_fails_with_the_reason_while_the_engine_is_stalled() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    // The spell was counted once, with its reason, however many probes saw it.
+    let m = request(s.addr, "GET", "/metrics", None).body;
+    assert!(
+        m.contains(r#"tandem_not_ready_total{reason="engine_stalled"} 1"#),
+        "{m}"
+    );
 }
 
 /// The drain: /ready fails with `draining` at once (probes are still answered), new work

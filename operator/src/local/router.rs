@@ -57,6 +57,7 @@ pub enum Routing {
 pub fn config(
     routing: Routing,
     retries: u8,
+    stall_limit: Duration,
     api_key: Option<&str>,
     api_key_file: Option<&std::path::Path>,
 ) -> super::Result<RouterConfig> {
@@ -74,6 +75,7 @@ pub fn config(
     };
     let mut cfg = RouterConfig {
         retries: retries.min(1),
+        stall_limit,
         api_keys,
         upstream_key,
         ..RouterConfig::default()

@@ -13,21 +13,25 @@ fn any_backend() -> impl Strategy<Value = Backend> {
         0..40usize,
         (0..12u32, 0..12u32, 0.0..1.0f64, 0..12u32),
         prop::bool::weighted(0.1),
+        prop::bool::weighted(0.1),
     )
         .prop_map(
-            |(group, incarnation, ready, current, cached, (q, r, kv, f), cooling)| Backend {
-                group,
-                incarnation,
-                group_ready: ready,
-                group_incarnation: current,
-                cached_blocks: cached,
-                load: Load {
-                    queued: q,
-                    running: r,
-                    kv_usage: kv,
-                    in_flight: f,
-                },
-                cooling,
+            |(group, incarnation, ready, current, cached, (q, r, kv, f), cooling, stalled)| {
+                Backend {
+                    group,
+                    incarnation,
+                    group_ready: ready,
+                    group_incarnation: current,
+                    cached_blocks: cached,
+                    load: Load {
+                        queued: q,
+                        running: r,
+                        kv_usage: kv,
+                        in_flight: f,
+                    },
+                    cooling,
+                    stalled,
+                }
             },
         )
 }
@@ -84,6 +88,7 @@ proptest! {
         req.session = None;
         for b in &mut backends {
             b.cooling = false;
+            b.stalled = false;
         }
         let cfg = PolicyConfig::default();
         let r = rank(&req, &backends, &cfg);
@@ -95,16 +100,27 @@ proptest! {
         }
     }
 
-    /// A pinned session goes first exactly when its decode is eligible.
+    /// A pinned session goes first exactly when its decode is eligible and not stalled.
     #[test]
     fn a_session_is_honoured_exactly_when_its_decode_is_eligible((backends, req) in fleet_and_request()) {
         let r = rank(&req, &backends, &PolicyConfig::default());
         match req.session {
-            Some(s) if s < backends.len() && backends[s].eligible() => {
+            Some(s) if s < backends.len() && backends[s].eligible() && !backends[s].stalled => {
                 prop_assert_eq!(r.order[0], s);
                 prop_assert_eq!(r.why, Why::Session);
             }
             _ => prop_assert_ne!(r.why, Why::Session),
+        }
+    }
+
+    /// A stalled decode never goes before one that steps, whatever it holds, its load or
+    /// a session pinned to it.
+    #[test]
+    fn a_stalled_decode_is_always_tried_after_every_stepping_one((backends, req) in fleet_and_request()) {
+        let r = rank(&req, &backends, &PolicyConfig::default());
+        let first_stalled = r.order.iter().position(|&i| backends[i].stalled);
+        if let Some(p) = first_stalled {
+            prop_assert!(r.order[p..].iter().all(|&i| backends[i].stalled), "{:?}", r.order);
         }
     }
 
@@ -146,6 +162,7 @@ proptest! {
                 cached_blocks: 0,
                 load: Load::default(),
                 cooling: false,
+                stalled: false,
             })
             .collect();
         backends[0].cached_blocks = prompt_blocks;

@@ -9,6 +9,7 @@ fn backend(group: i32) -> Backend {
         cached_blocks: 0,
         load: Load::default(),
         cooling: false,
+        stalled: false,
     }
 }
 
@@ -190,4 +191,26 @@ fn a_retry_goes_to_another_group_when_there_is_one() {
     assert_eq!(retry_target(&[0, 1, 2], &b, 0), Some(2));
     assert_eq!(retry_target(&[0, 1], &b, 0), Some(1));
     assert_eq!(retry_target(&[0], &b, 0), None);
+}
+
+#[test]
+fn a_stalled_decode_goes_last_even_with_the_prompt_and_the_session() {
+    let mut b = vec![backend(0), backend(1), backend(2)];
+    b[0].cached_blocks = 25;
+    b[0].stalled = true;
+    b[1].load.queued = 3;
+    let r = rank(&req(25), &b, &cfg());
+    assert_eq!(r.order, vec![2, 1, 0]);
+    assert_eq!(r.why, Why::Load);
+    let pinned = Request {
+        session: Some(0),
+        ..req(25)
+    };
+    let r = rank(&pinned, &b, &cfg());
+    assert_eq!(r.order[0], 2, "a session pinned to a stalled decode moves");
+    assert_ne!(r.why, Why::Session);
+    // Every decode stalled: still an order (the stall may pass), by cost.
+    b[1].stalled = true;
+    b[2].stalled = true;
+    assert_eq!(rank(&req(25), &b, &cfg()).order, vec![0, 2, 1]);
 }

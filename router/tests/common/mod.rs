@@ -37,6 +37,9 @@ pub enum Behavior {
     CloseAfterHead,
     /// Sends a chunked 200 head and one chunk, then closes.
     CloseAfterFirstByte,
+    /// A wedged engine: holds the request `ms` without a byte (reporting
+    /// `engineStalledMs` meanwhile), then answers as `Answer` does.
+    Hold { ms: u64 },
 }
 
 pub struct StandIn {
@@ -52,6 +55,10 @@ pub struct StandIn {
     pub waiting: AtomicUsize,
     /// Authorization headers seen on `/v1/*`.
     pub auth_seen: Mutex<Vec<Option<String>>>,
+    /// When the request it holds (`Hold`) arrived: its engine's stall began.
+    pub held_since: Mutex<Option<std::time::Instant>>,
+    /// Held requests whose client (the router) went away before the answer.
+    pub abandoned: AtomicUsize,
 }
 
 /// The stand-in's block keys of a prompt: one per 16 characters of the first message's
@@ -176,6 +183,8 @@ impl StandIn {
             cached: Mutex::new(BTreeSet::new()),
             waiting: AtomicUsize::new(0),
             auth_seen: Mutex::new(Vec::new()),
+            held_since: Mutex::new(None),
+            abandoned: AtomicUsize::new(0),
         });
         let me = s.clone();
         tokio::spawn(async move {
@@ -225,6 +234,8 @@ impl StandIn {
                 "kvBlocksTotal": 512,
                 "kvCacheUsage": 0.0,
                 "prefixVersion": version,
+                "engineStalledMs": self.held_since.lock().unwrap()
+                    .map_or(0, |t| t.elapsed().as_millis() as u64),
                 "keys": keys,
             });
             return respond(&mut s, 200, &r.to_string()).await;
@@ -272,6 +283,23 @@ impl StandIn {
                     r#"{"error":{"message":"no prefill with a healthy KV channel","type":"service_unavailable","code":"no_peer"}}"#,
                 )
                 .await;
+            }
+            Behavior::Hold { ms } => {
+                self.held_since
+                    .lock()
+                    .unwrap()
+                    .get_or_insert_with(std::time::Instant::now);
+                // Wait out the hold, or notice the client leave (a read of 0 bytes).
+                let mut probe = [0u8; 1];
+                let left =
+                    tokio::time::timeout(Duration::from_millis(ms), s.read(&mut probe)).await;
+                *self.held_since.lock().unwrap() = None;
+                if matches!(left, Ok(Ok(0)) | Ok(Err(_))) {
+                    self.abandoned.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+                self.cached.lock().unwrap().extend(keys_of(&body));
+                respond(&mut s, 200, &answer).await;
             }
             Behavior::CloseBeforeHead => {}
             Behavior::CloseAfterHead => {

@@ -18,6 +18,16 @@ use nix::unistd::Pid;
 
 /// Top directory of the run's cgroups in every hierarchy.
 pub const TOP: &str = "tandem-e2e";
+
+/// CPU weight of [`TOP`] (cgroup v1 `cpu.shares`; the default is 1024). The nodes' pods
+/// are the system under test, probed with one-second timeouts, and their requests are
+/// small (100m: 102 shares each inside the node). At the default weight the whole subtree
+/// counts, when the CPUs are contended, as much as one thread at the root — one thread of
+/// the CUDA suite that `make test` runs beside the e2e suite — so two busy threads there
+/// left the pods a third of the machine, and every decode of a scenario could miss two
+/// readiness probes at once. Eight times the default gives the cluster the CPUs it asks
+/// for first; a job beside it gets what the cluster leaves idle.
+const TOP_CPU_SHARES: u32 = 8 * 1024;
 const CGROUP_FS: &str = "/sys/fs/cgroup";
 
 /// Every mounted hierarchy (`/sys/fs/cgroup/cpu`, …, `/sys/fs/cgroup/unified`).
@@ -56,6 +66,10 @@ pub fn create(rel: &str) -> Result<()> {
                 continue;
             }
             std::fs::create_dir(&at).with_context(|| format!("creating {}", at.display()))?;
+            if at == h.join(TOP) && at.join("cpu.shares").exists() {
+                std::fs::write(at.join("cpu.shares"), TOP_CPU_SHARES.to_string())
+                    .with_context(|| format!("writing {}", at.join("cpu.shares").display()))?;
+            }
             if is_cpuset(&h) {
                 for f in ["cpuset.cpus", "cpuset.mems"] {
                     let v = std::fs::read_to_string(parent.join(f))?;

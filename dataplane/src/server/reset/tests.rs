@@ -155,6 +155,7 @@ impl PdServer {
             fault_injection: false,
             no_progress: Duration::from_secs(30),
             progress: Default::default(),
+            readiness: Default::default(),
             api_keys: Default::default(),
             kv_block_tokens: crate::test_support::fake_runner::BLOCK,
         });

@@ -8,6 +8,7 @@ use crate::crd::{GroupPhase, PDDeploymentStatus};
 use crate::local::member::ProbeOutcome;
 use crate::planner::{self, PlanInput, ReadyDetail};
 use crate::reasons::EventReason;
+use crate::reset_call::ResetReply;
 use crate::testutil::spec;
 
 fn reset(pod: &str, role: Role, to: i64) -> PlannedAction {

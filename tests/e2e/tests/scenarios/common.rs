@@ -346,6 +346,36 @@ pub async fn events(env: &Env, ns: &str, name: &str) -> Result<Vec<Event>> {
     Ok(evs)
 }
 
+/// The kubelet's readiness-probe failures in `ns` (its `Unhealthy` Events), oldest first,
+/// one line each: the pod, how many times, and what the probe got — a status code
+/// (the member said not ready) or a deadline (the process did not answer in time).
+pub async fn probe_failures(env: &Env, ns: &str) -> Result<Vec<String>> {
+    let mut evs: Vec<Event> = Api::<Event>::namespaced(env.cluster.client.clone(), ns)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("Unhealthy"))
+        .collect();
+    evs.sort_by_key(|e| e.metadata.creation_timestamp.as_ref().map(|t| t.0));
+    Ok(evs
+        .iter()
+        .map(|e| {
+            format!(
+                "{} ×{}: {}",
+                e.regarding
+                    .as_ref()
+                    .and_then(|r| r.name.clone())
+                    .unwrap_or_default(),
+                e.deprecated_count
+                    .or(e.series.as_ref().map(|s| s.count))
+                    .unwrap_or(1),
+                e.note.as_deref().unwrap_or_default()
+            )
+        })
+        .collect())
+}
+
 /// One observed pod change.
 #[derive(Debug, Clone)]
 pub struct PodChange {

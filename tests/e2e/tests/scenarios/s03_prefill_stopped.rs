@@ -16,6 +16,39 @@ use crate::common::*;
 
 const WINDOW_S: u64 = 8;
 
+/// Where the time from the co-restart decision to the group's Ready went: each step's
+/// offset from the decision, from the pod watch (old members going, new ones created and
+/// ready, prefill first).
+fn steps_after(
+    rec: &PodRecorder,
+    stopped: Instant,
+    decided: Duration,
+    ready: Duration,
+    inc: i64,
+) -> String {
+    let at = |role: &str, incarnation: i64, what: Change| {
+        rec.first(|c| c.role == role && c.incarnation == incarnation && c.what == what)
+            .map(|(_, c)| {
+                let t = c.at.duration_since(stopped).as_secs_f64() - decided.as_secs_f64();
+                format!("{t:+.1}s")
+            })
+            .unwrap_or_else(|| "–".into())
+    };
+    format!(
+        "old prefill terminating {}, gone {}; old decode terminating {}, gone {}; \
+         new prefill created {}, ready {}; new decode created {}, ready {}; group Ready {:+.1}s",
+        at("prefill", inc, Change::Terminating),
+        at("prefill", inc, Change::Deleted),
+        at("decode", inc, Change::Terminating),
+        at("decode", inc, Change::Deleted),
+        at("prefill", inc + 1, Change::Added),
+        at("prefill", inc + 1, Change::ContainersReady(true)),
+        at("decode", inc + 1, Change::Added),
+        at("decode", inc + 1, Change::ContainersReady(true)),
+        ready.as_secs_f64() - decided.as_secs_f64(),
+    )
+}
+
 async fn wait_not_ready(env: &Env, ns: &str, pod: &str, within: Duration) -> Result<()> {
     let api =
         kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(env.cluster.client.clone(), ns);
@@ -96,6 +129,7 @@ pub async fn run(env: &Env) -> Result<()> {
     );
 
     // 2. Stop and leave it: co-restart after the window, not before.
+    let rec = PodRecorder::start(env, ns).await;
     let stopped = Instant::now();
     kill(pid, Signal::SIGSTOP)?;
     wait_not_ready(env, ns, &prefill.name_any(), Duration::from_secs(20)).await?;
@@ -137,9 +171,14 @@ pub async fn run(env: &Env) -> Result<()> {
     // unresponsive member (health.unresponsiveGraceSeconds, 1 s by default: not its pod's 30 s), the
     // kubelet's SIGKILL after it ends it, and the group comes back at the next incarnation.
     let p = wait_ready(env, ns, name, 1, Duration::from_secs(120)).await?;
+    let ready_at = stopped.elapsed();
     figure(
         "prefill SIGSTOP → group Ready at the next incarnation",
-        format!("{:.1}s", stopped.elapsed().as_secs_f64()),
+        format!("{:.1}s", ready_at.as_secs_f64()),
+    );
+    figure(
+        "  after the decision, as the pod watch saw it",
+        steps_after(&rec, stopped, co_restart_at, ready_at, inc),
     );
     let g = &p.status.as_ref().unwrap().group_statuses[0];
     ensure!(
