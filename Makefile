@@ -88,7 +88,7 @@ NVRTC_LIB = $$(ls -d $(CURDIR)/$(PY_VENV)/lib/python3*/site-packages/nvidia/cuda
 e2e-deps:
 	scripts/e2e-deps.sh
 
-## e2e: scenarios 1-19 on a real cluster built for the run (control plane, two kubelet +
+## e2e: every scenario on a real cluster built for the run (control plane, two kubelet +
 ## containerd nodes, kube-proxy, kube-network-policies) with Tandem installed by
 ## `helm install` from the images in target/images (built here without a daemon, from
 ## dev-profile static binaries); needs root (network, mount and PID namespaces, cgroups) and

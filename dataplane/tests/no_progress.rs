@@ -107,6 +107,13 @@ fn an_engine_holding_queued_work_turns_no_progress_and_recovers() {
         ),
         "{msg}"
     );
+    // What stalled, for programs (the operator chooses new pods for a stalled engine).
+    assert_eq!(body["stalled"], "engine", "{body}");
+    assert_eq!(
+        check(&body, "engine_progress")["stalled"],
+        "engine",
+        "{body}"
+    );
     // The loop still goes round: this is what the heartbeat alone would not see.
     assert_eq!(check(&body, "engine_heartbeat")["ok"], true, "{body}");
     assert_eq!(s.get("/ready").status, 503);
@@ -162,6 +169,7 @@ fn failing_steps_count_as_no_progress_and_a_step_that_succeeds_heals() {
         .unwrap()
         .to_owned();
     assert!(detail.contains("steps failed"), "{detail}");
+    assert_eq!(body["stalled"], "engine", "{body}");
     assert_eq!(check(&body, "engine_heartbeat")["ok"], true, "{body}");
 
     // Disarm (a fault of 0 ms), and one request that succeeds heals it at once.

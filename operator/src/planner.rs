@@ -99,11 +99,26 @@ pub struct ObservedPod {
 }
 
 /// A not-ready dataplane's own account of why (docs/readiness.md): the body's `reason`
-/// and `message`, or the executor's reason when the body could not be read.
+/// and `message` (and `stalled`, what a `no_progress` says stalled), or the executor's
+/// reason when the body could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ReadyDetail {
     pub reason: String,
     pub message: String,
+    /// `engine` or `kv_transfer` for `no_progress`; `None` for other reasons, and from a
+    /// dataplane too old to say.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stalled: Option<String>,
+}
+
+impl ReadyDetail {
+    pub fn new(reason: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+            message: message.into(),
+            stalled: None,
+        }
+    }
 }
 
 /// The observed cluster: pods and per-group objects the deployment owns.

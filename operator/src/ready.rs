@@ -44,6 +44,10 @@ pub struct ReadyBody {
     pub role: String,
     pub reason: Option<String>,
     pub message: Option<String>,
+    /// What the first failing check says stalled (`no_progress`: `engine` or
+    /// `kv_transfer`); absent from older dataplanes.
+    #[serde(default)]
+    pub stalled: Option<String>,
     pub checks: Vec<Check>,
 }
 
@@ -100,28 +104,25 @@ pub fn detail(answer: Result<(StatusCode, Bytes), String>) -> Option<ReadyDetail
     let (status, body) = match answer {
         Ok(a) => a,
         Err(e) => {
-            return Some(ReadyDetail {
-                reason: UNREACHABLE.into(),
-                message: e,
-            });
+            return Some(ReadyDetail::new(UNREACHABLE, e));
         }
     };
     if status == StatusCode::OK {
         return None;
     }
     match parse(&body) {
-        Ok(b) if b.ready => Some(ReadyDetail {
-            reason: MALFORMED.into(),
-            message: format!("/ready answered {status} with a body that says ready"),
-        }),
+        Ok(b) if b.ready => Some(ReadyDetail::new(
+            MALFORMED,
+            format!("/ready answered {status} with a body that says ready"),
+        )),
         Ok(b) => Some(ReadyDetail {
-            reason: b.reason.unwrap_or_default(),
-            message: b.message.unwrap_or_default(),
+            stalled: b.stalled,
+            ..ReadyDetail::new(b.reason.unwrap_or_default(), b.message.unwrap_or_default())
         }),
-        Err(e) => Some(ReadyDetail {
-            reason: e.reason().into(),
-            message: format!("{e} (answered {status})"),
-        }),
+        Err(e) => Some(ReadyDetail::new(
+            e.reason(),
+            format!("{e} (answered {status})"),
+        )),
     }
 }
 

@@ -76,6 +76,20 @@ struct Known {
     holdings: Holdings,
     /// The last report failed (logged once per spell).
     failing: bool,
+    /// When the decode last answered a report call at all (a report, or an error status).
+    last_answer: Option<Instant>,
+    /// The last report call got no answer (timed out, refused, reset): it may be hung.
+    unreachable: bool,
+}
+
+/// Why a decode is not to be waited on ([`TargetState::hung`]), with for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hung {
+    /// Its reports say its engine has had work and made no step.
+    EngineStalled(Duration),
+    /// It answered report calls and now answers none: a process that stopped (SIGSTOP, a
+    /// wedged runtime) or a network that drops its packets.
+    Silent(Duration),
 }
 
 /// What the router knows of one decode.
@@ -125,11 +139,34 @@ impl TargetState {
             .then(|| Duration::from_millis(r.engine_stalled_ms) + age)
     }
 
+    /// How long this decode has answered no report call, when its last call went
+    /// unanswered and an earlier one was answered (`None` otherwise: it answers, or it was
+    /// never reached — a decode still starting is not silent). A decode that answers with
+    /// an error status is not silent: it is alive, whatever its report says.
+    pub fn silent_for(&self) -> Option<Duration> {
+        let k = self.known();
+        if !k.unreachable {
+            return None;
+        }
+        k.last_answer.map(|at| at.elapsed())
+    }
+
+    /// Whether this decode is not to be waited on: its engine stalled, or it went silent,
+    /// for `limit` or more (zero: never).
+    pub fn hung(&self, limit: Duration) -> Option<Hung> {
+        if limit.is_zero() {
+            return None;
+        }
+        if let Some(d) = self.engine_stalled_for().filter(|d| *d >= limit) {
+            return Some(Hung::EngineStalled(d));
+        }
+        self.silent_for().filter(|d| *d >= limit).map(Hung::Silent)
+    }
+
     /// The policy's view of this decode for a prompt with `keys`; `stall_limit` is the
-    /// router's (zero: stalls ignored).
+    /// router's (zero: stalls and silences ignored).
     pub fn backend(&self, t: &Target, keys: &[u64], now_ms: u64, stall_limit: Duration) -> Backend {
-        let stalled =
-            !stall_limit.is_zero() && self.engine_stalled_for().is_some_and(|d| d >= stall_limit);
+        let stalled = self.hung(stall_limit).is_some();
         let k = self.known();
         let fresh = k
             .report
@@ -264,6 +301,10 @@ impl Poller {
         };
         let now_ms = self.fleet.now_ms();
         let mut k = state.known();
+        k.unreachable = matches!(got, Err(("unreachable", _)));
+        if !k.unreachable {
+            k.last_answer = Some(Instant::now());
+        }
         match got {
             Ok((r, keys)) => {
                 if k.failing {

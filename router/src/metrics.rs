@@ -40,6 +40,7 @@ pub const ATTEMPT_FAILURES: &[&str] = &[
     "closed_before_response",
     "closed_before_first_byte",
     "engine_stalled",
+    "decode_unresponsive",
     "status_500",
     "status_502",
     "status_503",

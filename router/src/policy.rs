@@ -42,7 +42,8 @@ pub struct Backend {
     pub load: Load,
     /// A request to it failed lately (refused, closed, 5xx): tried after the others.
     pub cooling: bool,
-    /// Its engine has had work and made no step for the stall limit: tried last.
+    /// Its engine has had work and made no step for the stall limit, or it has answered
+    /// no report call that long (`fleet::Hung`): tried last.
     pub stalled: bool,
 }
 

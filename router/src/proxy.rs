@@ -14,7 +14,12 @@
 //! can take it, and a request waiting there for its first byte is taken back — its
 //! connection dropped, which ends it in the decode — and sent to the other group, when
 //! there is one that is not stalled itself. Without such a group it stays and waits: the
-//! stall may pass, and the operator acts on the member's `no_progress`.
+//! stall may pass, and the operator acts on the member's `no_progress`. A decode that went
+//! silent — it answered report calls and, for the same limit, answers none: a stopped
+//! process, a partition — is treated alike (`decode_unresponsive`): its requests would
+//! wait until the kubelet's probes and the operator's co-restart end the process. With
+//! nowhere to move, a request on a silent decode is answered 503 `decode_unresponsive`
+//! once the limit passes (unlike a stall, a silence rarely passes by itself).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,7 +39,7 @@ use tandem_contract::api_keys::{self, ApiKeys};
 use tokio::sync::watch;
 
 use crate::client::{self, ExchangeError, Upstream};
-use crate::fleet::{Fleet, InFlight, Poller, Target, TargetState, Targets};
+use crate::fleet::{Fleet, Hung, InFlight, Poller, Target, TargetState, Targets};
 use crate::metrics::RouterMetrics;
 use crate::policy::{self, Mode, PolicyConfig, Why};
 use crate::report;
@@ -190,6 +195,8 @@ enum Failure {
     BodyBeforeFirstByte(String),
     /// Taken back before its first byte: the decode's engine stopped stepping.
     EngineStalled(String),
+    /// Taken back before its first byte: the decode stopped answering report calls.
+    Unresponsive(String),
     Status {
         parts: http::response::Parts,
         body: Bytes,
@@ -203,6 +210,7 @@ impl Failure {
             Self::Closed(_) => "closed_before_response",
             Self::BodyBeforeFirstByte(_) => "closed_before_first_byte",
             Self::EngineStalled(_) => "engine_stalled",
+            Self::Unresponsive(_) => "decode_unresponsive",
             Self::Status { parts, .. } => match parts.status.as_u16() {
                 500 => "status_500",
                 502 => "status_502",
@@ -218,7 +226,8 @@ impl Failure {
             Self::Connect(w)
             | Self::Closed(w)
             | Self::BodyBeforeFirstByte(w)
-            | Self::EngineStalled(w) => w.clone(),
+            | Self::EngineStalled(w)
+            | Self::Unresponsive(w) => w.clone(),
             Self::Status { parts, body } => format!(
                 "answered {}: {}",
                 parts.status.as_u16(),
@@ -228,13 +237,17 @@ impl Failure {
     }
 
     /// The answer the client gets when this was the last attempt: a decode's own error
-    /// answer as it gave it, else 503 when no decode could be reached, else 502.
+    /// answer as it gave it, 503 `decode_unresponsive` when the decode went silent, else
+    /// 503 when no decode could be reached, else 502.
     fn into_response(self, all_unreachable: bool) -> Response<Body> {
         match self {
             Self::Status { mut parts, body } => {
                 strip_hop_by_hop(&mut parts.headers);
                 parts.headers.remove(header::CONTENT_LENGTH);
                 Response::from_parts(parts, full(body))
+            }
+            Self::Unresponsive(w) => {
+                error(StatusCode::SERVICE_UNAVAILABLE, "decode_unresponsive", &w)
             }
             f if all_unreachable => error(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -596,22 +609,31 @@ impl Router {
             h.insert(header::AUTHORIZATION, v);
         }
         let answer = self.first_byte(t, req);
-        let (mut rparts, first, rbody) = if movable && !self.cfg.stall_limit.is_zero() {
+        let (mut rparts, first, rbody) = if self.cfg.stall_limit.is_zero() {
+            answer.await?
+        } else {
             tokio::select! {
                 a = answer => a?,
-                stalled = stalled_past(state, self.cfg.stall_limit) => {
-                    return Err(Failure::EngineStalled(format!(
-                        "decode {} (group {}): its engine has had work and made no step for \
-                         {:.1} s (limit {:.1} s) while the request waited for its first byte",
-                        t.pod,
-                        t.group,
-                        stalled.as_secs_f64(),
-                        self.cfg.stall_limit.as_secs_f64()
-                    )));
+                hung = hung_past(state, self.cfg.stall_limit, movable) => {
+                    let limit = self.cfg.stall_limit.as_secs_f64();
+                    return Err(match hung {
+                        Hung::EngineStalled(d) => Failure::EngineStalled(format!(
+                            "decode {} (group {}): its engine has had work and made no step for \
+                             {:.1} s (limit {limit:.1} s) while the request waited for its first byte",
+                            t.pod,
+                            t.group,
+                            d.as_secs_f64(),
+                        )),
+                        Hung::Silent(d) => Failure::Unresponsive(format!(
+                            "decode {} (group {}): it has answered no report call for {:.1} s \
+                             (limit {limit:.1} s) while the request waited for its first byte",
+                            t.pod,
+                            t.group,
+                            d.as_secs_f64(),
+                        )),
+                    });
                 }
             }
-        } else {
-            answer.await?
         };
         strip_hop_by_hop(&mut rparts.headers);
         let hs = &mut rparts.headers;
@@ -680,12 +702,18 @@ impl Router {
     }
 }
 
-/// Resolves once `state`'s engine has been stalled for `limit` (its reports, checked
-/// each poll period), with how long; never while it steps.
-async fn stalled_past(state: &TargetState, limit: Duration) -> Duration {
+/// Resolves once `state` has been hung for `limit` — the decode silent, or (when
+/// `engine_too`: the request can move elsewhere) its engine stalled; checked each poll
+/// period — with how; never while it steps and answers. A stalled engine with nowhere
+/// better to go keeps the request (the stall may pass); a silent decode answers nothing at
+/// all, so waiting on it only delays the client's own retry.
+async fn hung_past(state: &TargetState, limit: Duration, engine_too: bool) -> Hung {
     loop {
-        if let Some(d) = state.engine_stalled_for().filter(|d| *d >= limit) {
-            return d;
+        if let Some(d) = state.silent_for().filter(|d| *d >= limit) {
+            return Hung::Silent(d);
+        }
+        if let Some(h @ Hung::EngineStalled(_)) = state.hung(limit).filter(|_| engine_too) {
+            return h;
         }
         tokio::time::sleep(crate::fleet::POLL_PERIOD).await;
     }

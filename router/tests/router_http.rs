@@ -200,13 +200,7 @@ async fn a_request_held_by_a_stalled_engine_moves_to_the_group_that_steps() {
         1.0
     );
     // The router closed its connection: the held request ended in the decode.
-    tokio::time::timeout(Duration::from_secs(2), async {
-        while held.abandoned.load(Ordering::SeqCst) == 0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
-    .expect("the held request was never abandoned");
+    held.until_abandoned().await;
     // A decode still stalled (a second request held there) gets nothing new.
     held.set(Behavior::Hold { ms: 20_000 });
     *held.held_since.lock().unwrap() = Some(std::time::Instant::now() - Duration::from_secs(2));
@@ -225,6 +219,121 @@ async fn a_request_held_by_a_stalled_engine_moves_to_the_group_that_steps() {
     assert_eq!(
         s.metric("tandem_router_attempt_failures_total{reason=\"engine_stalled\"}"),
         0.0
+    );
+}
+
+/// A decode that stopped (SIGSTOP): it answers nothing, report calls included. The
+/// request waiting there for its first byte is taken back once the decode has answered no
+/// report call for the limit, and answered by the other group; the next request goes
+/// straight to the other group. Alone, the request is answered 503 `decode_unresponsive`
+/// after the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_on_a_decode_gone_silent_moves_to_the_group_that_answers() {
+    let silent = StandIn::start("silent", Behavior::Answer).await;
+    let good = StandIn::start("good", Behavior::Answer).await;
+    // The silent decode is preferred: the good one reports a queue.
+    good.waiting.store(3, Ordering::SeqCst);
+    // The prompt-keys call (asked of the silent decode too, while it ranks first) gives up
+    // well inside the limit, so the request is sent there before the silence counts.
+    let cfg = RouterConfig {
+        stall_limit: Duration::from_secs(2),
+        prompt_keys_timeout: Duration::from_millis(300),
+        ..RouterConfig::default()
+    };
+    let s = Setup::new(cfg.clone(), vec![silent.target(0), good.target(1)]).await;
+    reports().await;
+    silent.frozen.store(true, Ordering::SeqCst);
+    let t = std::time::Instant::now();
+    let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", false), &[]).await;
+    let took = t.elapsed();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["pod"], "good");
+    assert_eq!(
+        silent.requests(),
+        1,
+        "the request went to the silent decode first"
+    );
+    // The limit counts from the last answered report (at most a poll period before the
+    // freeze); then at most a check period.
+    assert!(
+        took >= Duration::from_millis(1700) && took < Duration::from_millis(3500),
+        "answered after {took:?}"
+    );
+    assert_eq!(s.outcome("retried"), 1.0);
+    assert_eq!(
+        s.metric("tandem_router_attempt_failures_total{reason=\"decode_unresponsive\"}"),
+        1.0
+    );
+    assert_eq!(
+        s.metric("tandem_router_attempt_failures_total{reason=\"engine_stalled\"}"),
+        0.0
+    );
+    // The router dropped its connection there.
+    silent.until_abandoned().await;
+    // Still silent: nothing new goes there.
+    let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", false), &[]).await;
+    assert_eq!(r.json()["pod"], "good", "{}", r.body);
+    assert_eq!(
+        silent.requests(),
+        1,
+        "nothing new went to the silent decode"
+    );
+    // It runs again and reports: it is preferred again for a new prompt (the good one
+    // still queues, and its cooling after the failed attempt is over).
+    silent.frozen.store(false, Ordering::SeqCst);
+    reports().await;
+    tokio::time::sleep(tandem_router::fleet::COOLING).await;
+    let r = send(
+        s.addr,
+        "/v1/chat/completions",
+        &chat("another", "prompt", false),
+        &[],
+    )
+    .await;
+    assert_eq!(r.json()["pod"], "silent", "{}", r.body);
+
+    // One group only: nowhere to move; the request is answered 503 `decode_unresponsive`
+    // once the decode has been silent for the limit, not held until it runs again.
+    let alone = StandIn::start("alone", Behavior::Answer).await;
+    let s = Setup::new(cfg, vec![alone.target(0)]).await;
+    reports().await;
+    alone.frozen.store(true, Ordering::SeqCst);
+    let t = std::time::Instant::now();
+    let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", false), &[]).await;
+    let took = t.elapsed();
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(
+        r.json()["error"]["code"],
+        "decode_unresponsive",
+        "{}",
+        r.body
+    );
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("answered no report call"),
+        "{}",
+        r.body
+    );
+    assert!(
+        took >= Duration::from_millis(1700) && took < Duration::from_millis(3500),
+        "answered after {took:?}"
+    );
+    assert_eq!(s.outcome("failed"), 1.0);
+    assert_eq!(
+        s.metric("tandem_router_attempt_failures_total{reason=\"decode_unresponsive\"}"),
+        1.0
+    );
+    // It runs again: served.
+    alone.frozen.store(false, Ordering::SeqCst);
+    reports().await;
+    let r = send(s.addr, "/v1/chat/completions", &chat("y", "hi", false), &[]).await;
+    assert_eq!(
+        (r.status, r.json()["pod"].clone()),
+        (200, "alone".into()),
+        "{}",
+        r.body
     );
 }
 

@@ -18,6 +18,9 @@ pub struct Check {
     pub ok: bool,
     pub reason: Option<String>,
     pub detail: String,
+    /// What stalled, for a failing check that tells (`engine_progress`: `engine` or
+    /// `kv_transfer`), so that a reader need not parse `detail`.
+    pub stalled: Option<&'static str>,
 }
 
 impl Check {
@@ -27,7 +30,14 @@ impl Check {
             ok,
             reason: (!ok).then(|| fail_reason.to_owned()),
             detail,
+            stalled: None,
         }
+    }
+
+    /// This failing check says `part` stalled.
+    pub fn with_stalled(mut self, part: &'static str) -> Self {
+        self.stalled = (!self.ok).then_some(part);
+        self
     }
 }
 

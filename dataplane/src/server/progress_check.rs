@@ -109,9 +109,9 @@ impl ProgressWatch {
                     format!("idle (limit {} s)", limit.as_secs())
                 },
             ),
-            Verdict::NoProgress { detail, .. } => {
-                Check::new("engine_progress", false, "no_progress", detail)
-            }
+            Verdict::NoProgress {
+                detail, stalled, ..
+            } => Check::new("engine_progress", false, "no_progress", detail).with_stalled(stalled),
         }
     }
 }

@@ -65,7 +65,7 @@ pub fn ready_checks(state: &AppState) -> Vec<crate::pd::Check> {
 }
 
 /// The `/ready` body (format in docs/readiness.md): `ready`, and when not, the first
-/// failing check's `reason` and `message`; the group incarnation; every check; every KV
+/// failing check's `reason`, `message` and `stalled`; the group incarnation; every check; every KV
 /// peer with its state and last refusal and failure.
 pub fn ready_body(state: &AppState) -> Value {
     let checks = ready_checks(state);
@@ -84,9 +84,18 @@ pub fn ready_body(state: &AppState) -> Value {
         "group_incarnation": state.pd.as_ref().map(|pd| pd.group_incarnation()),
         "reason": failing.map(|c| c.reason.clone()),
         "message": failing.map(|c| format!("{}: {}", c.name, c.detail)),
+        // What stalled, when the first failing check says (`no_progress`: `engine` or
+        // `kv_transfer`); the operator reads it to choose between a reset and new pods.
+        "stalled": failing.and_then(|c| c.stalled),
         "checks": checks
             .iter()
-            .map(|c| json!({"name": c.name, "ok": c.ok, "reason": c.reason, "detail": c.detail}))
+            .map(|c| {
+                let mut v = json!({"name": c.name, "ok": c.ok, "reason": c.reason, "detail": c.detail});
+                if let Some(part) = c.stalled {
+                    v["stalled"] = part.into();
+                }
+                v
+            })
             .collect::<Vec<_>>(),
         "peers": peers,
     })

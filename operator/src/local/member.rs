@@ -90,10 +90,7 @@ impl Readiness {
                 self.fail(failure_threshold);
                 if self.answered {
                     self.detail = format!("no answer: {why}");
-                    self.reason = Some(ReadyDetail {
-                        reason: ready::UNREACHABLE.into(),
-                        message: why,
-                    });
+                    self.reason = Some(ReadyDetail::new(ready::UNREACHABLE, why));
                 } else {
                     self.detail = "loading the model".into();
                 }
@@ -297,10 +294,7 @@ mod tests {
     }
 
     fn not_ready(message: &str) -> ProbeOutcome {
-        ProbeOutcome::NotReady(ReadyDetail {
-            reason: "probe_timeout".into(),
-            message: message.into(),
-        })
+        ProbeOutcome::NotReady(ReadyDetail::new("probe_timeout", message))
     }
 
     #[test]

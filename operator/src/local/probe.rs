@@ -29,12 +29,9 @@ pub const STARTUP_POLL: Duration = Duration::from_millis(250);
 pub fn outcome(result: Result<(StatusCode, Bytes), String>) -> ProbeOutcome {
     match result {
         Ok((s, _)) if s == StatusCode::OK => ProbeOutcome::Ready,
-        Ok(answer) => {
-            ProbeOutcome::NotReady(ready::detail(Ok(answer)).unwrap_or_else(|| ReadyDetail {
-                reason: ready::MALFORMED.into(),
-                message: "no reason in a not-ready answer".into(),
-            }))
-        }
+        Ok(answer) => ProbeOutcome::NotReady(ready::detail(Ok(answer)).unwrap_or_else(|| {
+            ReadyDetail::new(ready::MALFORMED, "no reason in a not-ready answer")
+        })),
         Err(e) => ProbeOutcome::Unreachable(e),
     }
 }
@@ -68,10 +65,7 @@ mod tests {
     use super::*;
 
     fn not_ready(reason: &str, message: &str) -> ProbeOutcome {
-        ProbeOutcome::NotReady(ReadyDetail {
-            reason: reason.into(),
-            message: message.into(),
-        })
+        ProbeOutcome::NotReady(ReadyDetail::new(reason, message))
     }
 
     #[test]

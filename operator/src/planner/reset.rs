@@ -48,19 +48,10 @@ pub const IN_PLACE_REASONS: &[&str] = &[
     "peer_lost",
     "peer_unreachable",
     "loop_stalled",
-    // Only a stalled KV transfer (`kv_transfer: ...`): an engine that makes no progress
-    // (`engine: ...`) needs new pods (see `refusal`).
+    // Only a stalled KV transfer (`stalled: kv_transfer`): an engine that makes no
+    // progress (`stalled: engine`) needs new pods (see `refusal`).
     "no_progress",
 ];
-
-/// Whether a `no_progress` message (`engine_progress: engine: ...` or `engine_progress:
-/// kv_transfer: ...`, docs/readiness.md) says the engine stalled.
-fn stalled_in_engine(message: &str) -> bool {
-    message
-        .strip_prefix("engine_progress: ")
-        .unwrap_or(message)
-        .starts_with("engine:")
-}
 
 /// Longest single reset call: the member answers as soon as it is ready at the new
 /// incarnation; a call that has not by then is asked again on a later plan.
@@ -123,14 +114,24 @@ pub(super) fn refusal(
                 return Some(format!("prefill pod {} is not ready (it may hang)", p.name));
             }
             Role::Decode if !p.ready => match &p.ready_detail {
-                // `no_progress` names what stalled first (after its check's name): the
-                // engine (a reset keeps the engine thread, so the stall outlives it) or the
-                // KV transfer (the channel).
-                Some(d) if d.reason == "no_progress" && stalled_in_engine(&d.message) => {
-                    return Some(format!(
-                        "decode pod {} makes no progress in its engine, which a reset keeps",
-                        p.name
-                    ));
+                // `no_progress` says what stalled: the KV transfer (the channel, which a
+                // reset renews) or the engine (a reset keeps the engine thread, so the
+                // stall outlives it). A body that does not say (an older dataplane) gets
+                // new pods, which heal either.
+                Some(d)
+                    if d.reason == "no_progress" && d.stalled.as_deref() != Some("kv_transfer") =>
+                {
+                    return Some(match d.stalled.as_deref() {
+                        Some("engine") => format!(
+                            "decode pod {} makes no progress in its engine, which a reset keeps",
+                            p.name
+                        ),
+                        other => format!(
+                            "decode pod {} makes no progress and says {} stalled, not its KV transfer",
+                            p.name,
+                            other.unwrap_or("nothing of what")
+                        ),
+                    });
                 }
                 Some(d) if IN_PLACE_REASONS.contains(&d.reason.as_str()) => {}
                 Some(d) => {

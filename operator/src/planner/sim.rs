@@ -446,9 +446,17 @@ impl Sim {
     /// A running decode answers `/ready` with `reason` (the executor read it).
     pub fn report(&mut self, name: &str, reason: &str, message: &str) {
         self.set_ready(name, false);
+        self.pods.get_mut(name).expect("pod exists").ready_detail =
+            Some(ReadyDetail::new(reason, message));
+    }
+
+    /// A running decode answers `/ready` with `no_progress`, saying `stalled` (`engine`,
+    /// `kv_transfer`, or nothing: an older dataplane).
+    pub fn report_no_progress(&mut self, name: &str, stalled: Option<&str>) {
+        self.set_ready(name, false);
         self.pods.get_mut(name).expect("pod exists").ready_detail = Some(ReadyDetail {
-            reason: reason.into(),
-            message: message.into(),
+            stalled: stalled.map(str::to_owned),
+            ..ReadyDetail::new("no_progress", "engine_progress: work is making no progress")
         });
     }
 

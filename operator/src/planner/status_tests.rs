@@ -286,10 +286,7 @@ fn only_running_not_ready_decode_pods_of_the_incarnation_are_reported() {
     let (mut sim, d) = decode_starting();
     let p = only_pod(&sim, 0, Role::Prefill);
     // A prefill's detail is not the decode's reason.
-    sim.pods.get_mut(&p).unwrap().ready_detail = Some(ReadyDetail {
-        reason: "engine_stalled".into(),
-        message: "x".into(),
-    });
+    sim.pods.get_mut(&p).unwrap().ready_detail = Some(ReadyDetail::new("engine_stalled", "x"));
     sim.reconcile();
     assert_eq!(sim.group(0).decode_not_ready, None);
     // A terminating decode says nothing that matters any more.

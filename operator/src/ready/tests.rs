@@ -57,6 +57,28 @@ fn the_documented_body_parses_with_its_reason() {
 }
 
 #[test]
+fn what_stalled_reaches_the_detail_and_a_body_without_it_says_nothing() {
+    let mut v = documented_body();
+    v["reason"] = json!("no_progress");
+    v["message"] = json!("engine_progress: kv_transfer: KV bytes in flight and none moved");
+    v["stalled"] = json!("kv_transfer");
+    let d = detail(Ok((StatusCode::SERVICE_UNAVAILABLE, bytes(&v)))).unwrap();
+    assert_eq!(d.reason, "no_progress");
+    assert_eq!(d.stalled.as_deref(), Some("kv_transfer"));
+    // An older dataplane's body, without the field: read, with nothing stalled said.
+    v.as_object_mut().unwrap().remove("stalled");
+    let d = detail(Ok((StatusCode::SERVICE_UNAVAILABLE, bytes(&v)))).unwrap();
+    assert_eq!((d.reason.as_str(), d.stalled), ("no_progress", None));
+    // The documented body (auth_failed) says `stalled: null`.
+    let d = detail(Ok((
+        StatusCode::SERVICE_UNAVAILABLE,
+        bytes(&documented_body()),
+    )))
+    .unwrap();
+    assert_eq!(d.stalled, None);
+}
+
+#[test]
 fn fields_added_later_are_ignored_but_another_format_is_refused() {
     let mut v = documented_body();
     v["new_field"] = json!({"x": 1});

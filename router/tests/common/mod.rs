@@ -11,7 +11,7 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -59,6 +59,10 @@ pub struct StandIn {
     pub held_since: Mutex<Option<std::time::Instant>>,
     /// Held requests whose client (the router) went away before the answer.
     pub abandoned: AtomicUsize,
+    /// A stopped process (SIGSTOP): every connection, report calls included, is read and
+    /// held without an answer until this is cleared (then served as usual) or the client
+    /// leaves.
+    pub frozen: AtomicBool,
 }
 
 /// The stand-in's block keys of a prompt: one per 16 characters of the first message's
@@ -185,6 +189,7 @@ impl StandIn {
             auth_seen: Mutex::new(Vec::new()),
             held_since: Mutex::new(None),
             abandoned: AtomicUsize::new(0),
+            frozen: AtomicBool::new(false),
         });
         let me = s.clone();
         tokio::spawn(async move {
@@ -212,11 +217,34 @@ impl StandIn {
         self.requests.load(Ordering::SeqCst)
     }
 
+    /// Wait (at most 2 s) until a held request's client went away: the router closed its
+    /// connection, which ends the request in a decode.
+    pub async fn until_abandoned(&self) {
+        tokio::time::timeout(Duration::from_secs(2), async {
+            while self.abandoned.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no request held by {} was abandoned", self.name));
+    }
+
     async fn serve(self: Arc<Self>, mut s: TcpStream) {
         let Some(req) = read_request(&mut s).await else {
             return;
         };
         let body: Value = serde_json::from_slice(&req.body).unwrap_or(Value::Null);
+        let mut probe = [0u8; 1];
+        while self.frozen.load(Ordering::SeqCst) {
+            let left = tokio::time::timeout(Duration::from_millis(20), s.read(&mut probe)).await;
+            if matches!(left, Ok(Ok(0)) | Ok(Err(_))) {
+                if req.path.starts_with("/v1/") {
+                    self.requests.fetch_add(1, Ordering::SeqCst);
+                    self.abandoned.fetch_add(1, Ordering::SeqCst);
+                }
+                return;
+            }
+        }
         if req.path.starts_with("/tandem/report") {
             let keys: Vec<String> = self
                 .cached

@@ -30,6 +30,7 @@ pub mod env;
 pub mod http;
 pub mod images;
 pub mod kubectl;
+pub mod load;
 pub mod mounts;
 pub mod net;
 pub mod node;

@@ -160,10 +160,10 @@ fn the_planner_through_this_executor_resets_in_place_prefill_first() {
     let mut status = None;
     ready_group(&mut x, &mut status);
     let (p, d) = ("demo-g0-i1-p0", "demo-g0-i1-d0");
-    let fault = ProbeOutcome::NotReady(ReadyDetail {
-        reason: "peer_restarted".into(),
-        message: "the prefill came back with a new incarnation".into(),
-    });
+    let fault = ProbeOutcome::NotReady(ReadyDetail::new(
+        "peer_restarted",
+        "the prefill came back with a new incarnation",
+    ));
     for s in 3..6 {
         x.on_probe(d, fault.clone(), t(s));
     }

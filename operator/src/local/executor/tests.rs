@@ -430,10 +430,10 @@ fn a_decode_serves_only_with_its_gate_open_and_its_own_readiness() {
     for s in 4..7 {
         x.on_probe(
             d,
-            ProbeOutcome::NotReady(ReadyDetail {
-                reason: "probe_timeout".into(),
-                message: "probe 127.0.0.1:2: last PONG 6100 ms ago".into(),
-            }),
+            ProbeOutcome::NotReady(ReadyDetail::new(
+                "probe_timeout",
+                "probe 127.0.0.1:2: last PONG 6100 ms ago",
+            )),
             t(s),
         );
     }

@@ -227,6 +227,36 @@ pub async fn member(env: &Env, ns: &str, name: &str, g: i32, r: &str) -> Result<
     }
 }
 
+/// The ClusterIP of Service `svc`.
+pub async fn service_ip(env: &Env, ns: &str, svc: &str) -> Result<String> {
+    let v = env.kubectl.json(&["get", "service", svc, "-n", ns]).await?;
+    Ok(v["spec"]["clusterIP"]
+        .as_str()
+        .with_context(|| format!("Service {ns}/{svc} has a ClusterIP"))?
+        .to_string())
+}
+
+/// Once the router of `spec.router` has a Ready pod: its Service's ClusterIP.
+pub async fn router_ip(env: &Env, ns: &str, name: &str) -> Result<String> {
+    let api: Api<Pod> = Api::namespaced(env.cluster.client.clone(), ns);
+    let lp = ListParams::default().labels(&format!("tandem.dev/router={name}"));
+    wait::until(
+        "the router pod to be Ready",
+        Duration::from_secs(120),
+        Duration::from_millis(500),
+        || async {
+            let pods = api.list(&lp).await?;
+            Ok(pods
+                .items
+                .iter()
+                .any(|p| pod_condition(p, "Ready").as_deref() == Some("True"))
+                .then_some(()))
+        },
+    )
+    .await?;
+    service_ip(env, ns, &format!("{name}-router")).await
+}
+
 /// An endpoint of a Service as the EndpointSlice controller publishes it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Endpoint {
@@ -326,6 +356,69 @@ pub async fn chat_model(ip: &str, model: &str, timeout: Duration) -> Result<Stri
         r.body
     );
     Ok(text)
+}
+
+/// The steady client of the recovery figures: a chat every 0.3 s, 15 s timeout each.
+pub const LOAD_PERIOD: Duration = Duration::from_millis(300);
+pub const LOAD_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// A steady client (see [`tandem_e2e::load`]) of short chats against `ip:8000`. Each
+/// chat's prompt begins with its own number, so no two share a first block: a router
+/// balances them by load (shared prefixes would keep them on the decode that holds them).
+pub fn start_load(ip: &str) -> tandem_e2e::load::Load {
+    let chat = |n: u64| {
+        json!({
+            "model": MODEL_NAME,
+            "messages": [
+                {"role": "system", "content": format!("Request {n}.")},
+                {"role": "user", "content": "What is the capital of France?"},
+            ],
+            "max_tokens": 4,
+            "temperature": 0,
+        })
+    };
+    tandem_e2e::load::Load::start(
+        &format!("{ip}:{HTTP_PORT}"),
+        "/v1/chat/completions",
+        chat,
+        LOAD_PERIOD,
+        LOAD_TIMEOUT,
+    )
+}
+
+/// A steady client through `ip` (a Service's ClusterIP), started once a chat through it
+/// has been answered: a Service routes only once its EndpointSlice lists a ready pod and
+/// kube-proxy has followed, which can lag the group's Ready by a moment.
+pub async fn start_load_through(ip: &str) -> Result<tandem_e2e::load::Load> {
+    wait::until(
+        &format!("a chat through {ip}"),
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async { Ok(chat(ip, Duration::from_secs(10)).await.ok()) },
+    )
+    .await?;
+    Ok(start_load(ip))
+}
+
+/// Stop `load` 2 s from now (served again for a while) and print the per-request columns
+/// of the requests sent since `fault` (an offset on its clock) as a figure, with how the
+/// requests sent before it went (they should all have been answered).
+pub async fn report_load(load: tandem_e2e::load::Load, fault: Duration, what: &str) {
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let samples = load.stop().await;
+    let before: Vec<_> = samples.iter().filter(|s| s.sent < fault).collect();
+    let ok = before
+        .iter()
+        .filter(|s| s.outcome == tandem_e2e::load::Outcome::Ok)
+        .count();
+    figure(
+        what,
+        format!(
+            "{} (before the fault: {ok} of {} answered)",
+            tandem_e2e::load::recovery(&samples, fault, LOAD_TIMEOUT),
+            before.len()
+        ),
+    );
 }
 
 /// Events (events.k8s.io) about the deployment, oldest first.

@@ -3,7 +3,8 @@
 //! each scenario runs in its own namespace, all served by the chart's operator.
 //!
 //! Order: two lanes first, side by side — the long, mostly waiting scenarios of
-//! [`Lane::Beside`] (a load under a 1 % CPU limit, a rolling update) beside the
+//! [`Lane::Beside`] (a load under a 1 % CPU limit, a rolling update, the recovery figures
+//! under a steady client) beside the
 //! [`Lane::Main`] ones, one after another in each lane — then the [`Lane::Alone`] ones, one
 //! at a time with nothing beside them, because they change what every scenario depends on
 //! (a node lost, the operator's leader killed, the operator upgraded or uninstalled, the
@@ -37,6 +38,7 @@ mod s18_helm_upgrade;
 mod s19_helm_uninstall;
 mod s20_in_place;
 mod s21_router;
+mod s22_recovery_load;
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -144,6 +146,13 @@ const SCENARIOS: &[Scenario] = &[
         Lane::Beside,
         Duration::from_secs(600),
         |e| Box::pin(s15_slow_load::run(e)),
+    ),
+    // Beside too: it mostly waits for co-restarts (its two clients' chats are short).
+    (
+        "s22_recovery_load",
+        Lane::Beside,
+        Duration::from_secs(600),
+        |e| Box::pin(s22_recovery_load::run(e)),
     ),
     (
         "s16_oom_killed",

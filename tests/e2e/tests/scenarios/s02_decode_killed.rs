@@ -51,6 +51,11 @@ pub async fn run(env: &Env) -> Result<()> {
         })
     };
 
+    // And a steady client through the client Service, which holds both groups' decodes
+    // (the per-request columns of the recovery table, two groups without the router).
+    let service_load = start_load_through(&service_ip(env, ns, name).await?).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let at = service_load.now();
     let pid = env
         .pid_of(ns, &d0.name_any())
         .await
@@ -90,6 +95,12 @@ pub async fn run(env: &Env) -> Result<()> {
     let serving_again = killed.elapsed();
     stop.store(true, Ordering::SeqCst);
     let last_err = load.await?;
+    report_load(
+        service_load,
+        at,
+        "decode SIGKILL, requests through the client Service",
+    )
+    .await;
 
     figure(
         "decode SIGKILL → endpoint removed",

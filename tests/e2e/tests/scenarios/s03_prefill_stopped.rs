@@ -128,8 +128,12 @@ pub async fn run(env: &Env) -> Result<()> {
         "the decode pod was replaced"
     );
 
-    // 2. Stop and leave it: co-restart after the window, not before.
+    // 2. Stop and leave it: co-restart after the window, not before. A steady client
+    // through the client Service meanwhile (the per-request columns of the recovery table).
     let rec = PodRecorder::start(env, ns).await;
+    let load = start_load_through(&service_ip(env, ns, name).await?).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let at = load.now();
     let stopped = Instant::now();
     kill(pid, Signal::SIGSTOP)?;
     wait_not_ready(env, ns, &prefill.name_any(), Duration::from_secs(20)).await?;
@@ -180,6 +184,12 @@ pub async fn run(env: &Env) -> Result<()> {
         "  after the decision, as the pod watch saw it",
         steps_after(&rec, stopped, co_restart_at, ready_at, inc),
     );
+    report_load(
+        load,
+        at,
+        "prefill SIGSTOP, requests through the client Service",
+    )
+    .await;
     let g = &p.status.as_ref().unwrap().group_statuses[0];
     ensure!(
         g.incarnation == inc + 1,

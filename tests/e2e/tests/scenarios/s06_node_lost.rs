@@ -49,6 +49,11 @@ pub async fn run(env: &Env) -> Result<()> {
     ensure!(old_pids.len() == 2, "both containers run");
 
     let rec = PodRecorder::start(env, ns).await;
+    // A steady client through the client Service (the per-request columns of the recovery
+    // table): the lost node's containers run on, unreachable to the control plane.
+    let load = start_load_through(&service_ip(env, ns, name).await?).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let at = load.now();
     let lost = Instant::now();
     env.node(NODE_B).freeze_kubelet()?;
     let result = async {
@@ -113,6 +118,7 @@ pub async fn run(env: &Env) -> Result<()> {
             "heartbeats stopped → group Ready on the other node",
             format!("{:.1}s", lost.elapsed().as_secs_f64()),
         );
+        report_load(load, at, "node lost, requests through the client Service").await;
         let g = &p.status.as_ref().unwrap().group_statuses[0];
         ensure!(
             g.incarnation == inc + 1,

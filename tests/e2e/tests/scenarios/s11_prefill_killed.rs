@@ -2,7 +2,7 @@
 //! reports the container terminated (exit code 137) and the pod Failed (restartPolicy
 //! Never); the operator co-restarts the group — the decode removed, the prefill rebuilt
 //! first — with a `MemberFailed` Event that carries what the kubelet reported. Prints the
-//! time from the kill until the group is Ready again.
+//! time from the kill until the group is Ready again, and what a steady client saw.
 
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,11 @@ pub async fn run(env: &Env) -> Result<()> {
         .pid_of(ns, &prefill.name_any())
         .await
         .context("prefill container")?;
+    // A steady client through the client Service while it happens: the per-request
+    // columns of the recovery table (one group: nothing to route to meanwhile).
+    let load = start_load_through(&service_ip(env, ns, name).await?).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let fault = load.now();
     let killed = Instant::now();
     kill(Pid::from_raw(pid), Signal::SIGKILL)?;
 
@@ -68,6 +73,12 @@ pub async fn run(env: &Env) -> Result<()> {
         "prefill SIGKILL → group Ready again (real kubelet)",
         format!("{:.1}s", killed.elapsed().as_secs_f64()),
     );
+    report_load(
+        load,
+        fault,
+        "prefill SIGKILL, requests through the client Service",
+    )
+    .await;
     let g = &p.status.as_ref().unwrap().group_statuses[0];
     let why = g.last_co_restart.as_ref().map(|r| r.reason.as_str());
     ensure!(why == Some("MemberFailed"), "co-restart reason {why:?}");

@@ -67,6 +67,11 @@ pub async fn run(env: &Env) -> Result<()> {
     wait_ready_endpoints(env, ns, name, 1).await?;
 
     let rule = ["-d", prefill_ip.as_str(), "-j", "DROP"];
+    // A steady client through the client Service (the per-request columns of the
+    // recovery table).
+    let load = start_load_through(&service_ip(env, ns, name).await?).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let at = load.now();
     let cut = Instant::now();
     let mut add = vec!["-I", "OUTPUT"];
     add.extend_from_slice(&rule);
@@ -120,6 +125,12 @@ pub async fn run(env: &Env) -> Result<()> {
         format!("{:.1}s", healed_at.elapsed().as_secs_f64()),
     );
     let p = wait_ready(env, ns, name, 1, Duration::from_secs(30)).await?;
+    report_load(
+        load,
+        at,
+        "channel partition healed within the window, requests through the client Service",
+    )
+    .await;
     let g = &p.status.as_ref().unwrap().group_statuses[0];
     ensure!(
         g.incarnation == inc && g.co_restarts == 0,

@@ -5,7 +5,8 @@
 //! group in place — prefill first, then decode — over the pods' IPs, signing with the key
 //! it reads from the group's Secret. The group is Ready at the next incarnation with the
 //! very same pods (names, UIDs) and processes (PIDs): nothing was deleted, no weights
-//! reloaded. Prints the time from the fault to the decision and to serving again.
+//! reloaded. Prints the time from the fault to the decision and to serving again, and what
+//! a steady client saw.
 
 use std::time::{Duration, Instant};
 
@@ -47,7 +48,11 @@ pub async fn run(env: &Env) -> Result<()> {
     let d_ip = pod_ip(&d).context("decode IP")?;
     chat(&d_ip, Duration::from_secs(60)).await?;
 
-    // The fault: the prefill alone moves to the next incarnation.
+    // The fault: the prefill alone moves to the next incarnation, under a steady client
+    // through the client Service (the per-request columns of the recovery table).
+    let load = start_load_through(&service_ip(env, ns, name).await?).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let at = load.now();
     let fault = Instant::now();
     let addr = format!("{p_ip}:{HTTP_PORT}").parse()?;
     let reply = reset_call::call(addr, Role::Prefill, inc + 1, &key, Duration::from_secs(5)).await;
@@ -118,6 +123,12 @@ pub async fn run(env: &Env) -> Result<()> {
         "prefill incarnation fault → group serving again (same pods, same processes)",
         format!("{:.1}s", served.as_secs_f64()),
     );
+    report_load(
+        load,
+        at,
+        "prefill incarnation fault, requests through the client Service",
+    )
+    .await;
     env.kubectl
         .ok(&["delete", "pdd", name, "-n", ns, "--wait=true"])
         .await?;

@@ -11,9 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::ListParams;
-use kube::{Api, ResourceExt};
+use kube::ResourceExt;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tandem_e2e::env::Env;
@@ -48,30 +46,7 @@ pub async fn run(env: &Env) -> Result<()> {
     env.kubectl.apply(ns, &yaml(&pdd)).await?;
     wait_ready(env, ns, name, 2, Duration::from_secs(180)).await?;
 
-    let router_pods: Api<Pod> = Api::namespaced(env.cluster.client.clone(), ns);
-    let lp = ListParams::default().labels(&format!("tandem.dev/router={name}"));
-    wait::until(
-        "the router pod to be Ready",
-        Duration::from_secs(120),
-        Duration::from_millis(500),
-        || async {
-            let pods = router_pods.list(&lp).await?;
-            Ok(pods
-                .items
-                .iter()
-                .any(|p| pod_condition(p, "Ready").as_deref() == Some("True"))
-                .then_some(()))
-        },
-    )
-    .await?;
-    let svc = env
-        .kubectl
-        .json(&["get", "service", &format!("{name}-router"), "-n", ns])
-        .await?;
-    let router_ip = svc["spec"]["clusterIP"]
-        .as_str()
-        .context("the router Service has a ClusterIP")?
-        .to_string();
+    let router_ip = router_ip(env, ns, name).await?;
 
     // Both groups get traffic through the router.
     let d0 = member(env, ns, name, 0, "decode").await?;
