@@ -41,6 +41,7 @@ pub const ATTEMPT_FAILURES: &[&str] = &[
     "closed_before_first_byte",
     "engine_stalled",
     "decode_unresponsive",
+    "group_not_ready",
     "status_500",
     "status_502",
     "status_503",

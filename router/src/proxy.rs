@@ -19,7 +19,10 @@
 //! process, a partition — is treated alike (`decode_unresponsive`): its requests would
 //! wait until the kubelet's probes and the operator's co-restart end the process. With
 //! nowhere to move, a request on a silent decode is answered 503 `decode_unresponsive`
-//! once the limit passes (unlike a stall, a silence rarely passes by itself).
+//! once the limit passes (unlike a stall, a silence rarely passes by itself). So is a
+//! decode whose group has left Ready for the limit (`group_not_ready`), where the request
+//! can move: its process may answer and report while the request waits for KV that does
+//! not come (a stalled KV loop, a cut channel).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,12 +41,15 @@ use serde_json::json;
 use tandem_contract::api_keys::{self, ApiKeys};
 use tokio::sync::watch;
 
+mod give_up;
+
 use crate::client::{self, ExchangeError, Upstream};
 use crate::fleet::{Fleet, Hung, InFlight, Poller, Target, TargetState, Targets};
 use crate::metrics::RouterMetrics;
 use crate::policy::{self, Mode, PolicyConfig, Why};
 use crate::report;
 use crate::session::Sessions;
+use give_up::{Failure, hung_past, out_of_ready_past};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Body = UnsyncBoxBody<Bytes, BoxError>;
@@ -185,77 +191,6 @@ pub fn unauthorized(r: api_keys::Refusal) -> Response<Body> {
 fn strip_hop_by_hop(h: &mut HeaderMap) {
     for name in HOP_BY_HOP {
         h.remove(name);
-    }
-}
-
-/// How one attempt failed before the first byte of its answer.
-enum Failure {
-    Connect(String),
-    Closed(String),
-    BodyBeforeFirstByte(String),
-    /// Taken back before its first byte: the decode's engine stopped stepping.
-    EngineStalled(String),
-    /// Taken back before its first byte: the decode stopped answering report calls.
-    Unresponsive(String),
-    Status {
-        parts: http::response::Parts,
-        body: Bytes,
-    },
-}
-
-impl Failure {
-    fn reason(&self) -> &'static str {
-        match self {
-            Self::Connect(_) => "connect_failed",
-            Self::Closed(_) => "closed_before_response",
-            Self::BodyBeforeFirstByte(_) => "closed_before_first_byte",
-            Self::EngineStalled(_) => "engine_stalled",
-            Self::Unresponsive(_) => "decode_unresponsive",
-            Self::Status { parts, .. } => match parts.status.as_u16() {
-                500 => "status_500",
-                502 => "status_502",
-                503 => "status_503",
-                504 => "status_504",
-                _ => "status_5xx",
-            },
-        }
-    }
-
-    fn describe(&self) -> String {
-        match self {
-            Self::Connect(w)
-            | Self::Closed(w)
-            | Self::BodyBeforeFirstByte(w)
-            | Self::EngineStalled(w)
-            | Self::Unresponsive(w) => w.clone(),
-            Self::Status { parts, body } => format!(
-                "answered {}: {}",
-                parts.status.as_u16(),
-                String::from_utf8_lossy(&body[..body.len().min(300)])
-            ),
-        }
-    }
-
-    /// The answer the client gets when this was the last attempt: a decode's own error
-    /// answer as it gave it, 503 `decode_unresponsive` when the decode went silent, else
-    /// 503 when no decode could be reached, else 502.
-    fn into_response(self, all_unreachable: bool) -> Response<Body> {
-        match self {
-            Self::Status { mut parts, body } => {
-                strip_hop_by_hop(&mut parts.headers);
-                parts.headers.remove(header::CONTENT_LENGTH);
-                Response::from_parts(parts, full(body))
-            }
-            Self::Unresponsive(w) => {
-                error(StatusCode::SERVICE_UNAVAILABLE, "decode_unresponsive", &w)
-            }
-            f if all_unreachable => error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "upstream_unreachable",
-                &f.describe(),
-            ),
-            f => error(StatusCode::BAD_GATEWAY, "upstream_failed", &f.describe()),
-        }
     }
 }
 
@@ -612,8 +547,27 @@ impl Router {
         let (mut rparts, first, rbody) = if self.cfg.stall_limit.is_zero() {
             answer.await?
         } else {
+            let limit = self.cfg.stall_limit;
+            // Out of Ready matters only where the request can go elsewhere.
+            let left = async {
+                if movable {
+                    out_of_ready_past(&self.targets, t, limit).await
+                } else {
+                    std::future::pending().await
+                }
+            };
             tokio::select! {
                 a = answer => a?,
+                out = left => {
+                    return Err(Failure::GroupNotReady(format!(
+                        "decode {} (group {}): its group has not been Ready for {:.1} s \
+                         (limit {:.1} s) while the request waited for its first byte",
+                        t.pod,
+                        t.group,
+                        out.as_secs_f64(),
+                        limit.as_secs_f64()
+                    )));
+                }
                 hung = hung_past(state, self.cfg.stall_limit, movable) => {
                     let limit = self.cfg.stall_limit.as_secs_f64();
                     return Err(match hung {
@@ -699,23 +653,6 @@ impl Router {
             }
         };
         Ok((rparts, first, rbody))
-    }
-}
-
-/// Resolves once `state` has been hung for `limit` — the decode silent, or (when
-/// `engine_too`: the request can move elsewhere) its engine stalled; checked each poll
-/// period — with how; never while it steps and answers. A stalled engine with nowhere
-/// better to go keeps the request (the stall may pass); a silent decode answers nothing at
-/// all, so waiting on it only delays the client's own retry.
-async fn hung_past(state: &TargetState, limit: Duration, engine_too: bool) -> Hung {
-    loop {
-        if let Some(d) = state.silent_for().filter(|d| *d >= limit) {
-            return Hung::Silent(d);
-        }
-        if let Some(h @ Hung::EngineStalled(_)) = state.hung(limit).filter(|_| engine_too) {
-            return h;
-        }
-        tokio::time::sleep(crate::fleet::POLL_PERIOD).await;
     }
 }
 

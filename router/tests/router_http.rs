@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{Behavior, StandIn, chat, front, metrics, send, system_prompt, targets, value};
+use common::{
+    Answer, Behavior, StandIn, chat, front, metrics, send, system_prompt, targets, value,
+};
 use prometheus_client::registry::Registry;
 use tandem_contract::api_keys::ApiKeys;
 use tandem_router::policy::{Mode, PolicyConfig};
@@ -44,6 +46,37 @@ impl Setup {
     fn outcome(&self, o: &str) -> f64 {
         self.metric(&format!("tandem_router_requests_total{{outcome=\"{o}\"}}"))
     }
+}
+
+/// The request sent to `from` was taken back for `reason` within `window` and answered by
+/// the decode named "good": one retry, one attempt failure of that reason.
+fn assert_moved(
+    s: &Setup,
+    r: &Answer,
+    took: Duration,
+    from: &StandIn,
+    reason: &str,
+    window: (u64, u64),
+) {
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["pod"], "good");
+    assert_eq!(
+        from.requests(),
+        1,
+        "the request went to {} first",
+        from.name
+    );
+    assert!(
+        took >= Duration::from_millis(window.0) && took < Duration::from_millis(window.1),
+        "answered after {took:?}"
+    );
+    assert_eq!(s.outcome("retried"), 1.0);
+    assert_eq!(
+        s.metric(&format!(
+            "tandem_router_attempt_failures_total{{reason=\"{reason}\"}}"
+        )),
+        1.0
+    );
 }
 
 /// Let the poller take a report of every decode.
@@ -186,19 +219,8 @@ async fn a_request_held_by_a_stalled_engine_moves_to_the_group_that_steps() {
     reports().await;
     let t = std::time::Instant::now();
     let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", false), &[]).await;
-    let took = t.elapsed();
-    assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(r.json()["pod"], "good");
     // The stall limit, plus at most a report period and a check period.
-    assert!(
-        took >= Duration::from_secs(1) && took < Duration::from_millis(2500),
-        "answered after {took:?}"
-    );
-    assert_eq!(s.outcome("retried"), 1.0);
-    assert_eq!(
-        s.metric("tandem_router_attempt_failures_total{reason=\"engine_stalled\"}"),
-        1.0
-    );
+    assert_moved(&s, &r, t.elapsed(), &held, "engine_stalled", (1000, 2500));
     // The router closed its connection: the held request ended in the decode.
     held.until_abandoned().await;
     // A decode still stalled (a second request held there) gets nothing new.
@@ -245,24 +267,15 @@ async fn a_request_on_a_decode_gone_silent_moves_to_the_group_that_answers() {
     silent.frozen.store(true, Ordering::SeqCst);
     let t = std::time::Instant::now();
     let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", false), &[]).await;
-    let took = t.elapsed();
-    assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(r.json()["pod"], "good");
-    assert_eq!(
-        silent.requests(),
-        1,
-        "the request went to the silent decode first"
-    );
     // The limit counts from the last answered report (at most a poll period before the
     // freeze); then at most a check period.
-    assert!(
-        took >= Duration::from_millis(1700) && took < Duration::from_millis(3500),
-        "answered after {took:?}"
-    );
-    assert_eq!(s.outcome("retried"), 1.0);
-    assert_eq!(
-        s.metric("tandem_router_attempt_failures_total{reason=\"decode_unresponsive\"}"),
-        1.0
+    assert_moved(
+        &s,
+        &r,
+        t.elapsed(),
+        &silent,
+        "decode_unresponsive",
+        (1700, 3500),
     );
     assert_eq!(
         s.metric("tandem_router_attempt_failures_total{reason=\"engine_stalled\"}"),
@@ -334,6 +347,65 @@ async fn a_request_on_a_decode_gone_silent_moves_to_the_group_that_answers() {
         (200, "alone".into()),
         "{}",
         r.body
+    );
+}
+
+/// A decode that holds a request while its reports look fine (its KV loop stalled: no
+/// engine work to stall, the process answers): once its group has left Ready for the limit
+/// — the operator saw the member fail its probes — the request is taken back and answered
+/// by the other group. A group back within the limit keeps its request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_on_a_group_that_left_ready_moves_to_a_ready_group() {
+    let stuck = StandIn::start("stuck", Behavior::AwaitKv { ms: 20_000 }).await;
+    let good = StandIn::start("good", Behavior::Answer).await;
+    // The stuck decode is preferred: the good one reports a queue.
+    good.waiting.store(3, Ordering::SeqCst);
+    let cfg = RouterConfig {
+        stall_limit: Duration::from_secs(1),
+        ..RouterConfig::default()
+    };
+    let s = Setup::new(cfg, vec![stuck.target(0), good.target(1)]).await;
+    reports().await;
+    let not_ready = Target {
+        group_ready: false,
+        ..stuck.target(0)
+    };
+    let flip = |ready: bool, after_ms: u64| {
+        let tx = s.tx.clone();
+        let (stuck_t, not_ready, good_t) = (stuck.target(0), not_ready.clone(), good.target(1));
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(after_ms)).await;
+            let first = if ready { stuck_t } else { not_ready };
+            tx.send_replace(Arc::new(targets(vec![first, good_t])));
+        })
+    };
+    let out = flip(false, 300);
+    let t = std::time::Instant::now();
+    let r = send(s.addr, "/v1/chat/completions", &chat("x", "hi", false), &[]).await;
+    let took = t.elapsed();
+    out.await.unwrap();
+    // Out of Ready at 0.3 s, plus the limit.
+    assert_moved(&s, &r, took, &stuck, "group_not_ready", (1250, 2500));
+    stuck.until_abandoned().await;
+
+    // Ready again within the limit: the request stays where it is and is answered there.
+    stuck.set(Behavior::AwaitKv { ms: 1500 });
+    s.tx.send_replace(Arc::new(targets(vec![stuck.target(0), good.target(1)])));
+    tokio::time::sleep(tandem_router::fleet::COOLING).await;
+    let (out, back) = (flip(false, 200), flip(true, 700));
+    let r = send(
+        s.addr,
+        "/v1/chat/completions",
+        &chat("another", "prompt", false),
+        &[],
+    )
+    .await;
+    out.await.unwrap();
+    back.await.unwrap();
+    assert_eq!(r.json()["pod"], "stuck", "{}", r.body);
+    assert_eq!(
+        s.metric("tandem_router_attempt_failures_total{reason=\"group_not_ready\"}"),
+        1.0
     );
 }
 

@@ -40,6 +40,9 @@ pub enum Behavior {
     /// A wedged engine: holds the request `ms` without a byte (reporting
     /// `engineStalledMs` meanwhile), then answers as `Answer` does.
     Hold { ms: u64 },
+    /// A decode whose KV never comes (its KV loop stalled): holds the request `ms`
+    /// without a byte while its reports say nothing is wrong, then answers as `Answer`.
+    AwaitKv { ms: u64 },
 }
 
 pub struct StandIn {
@@ -168,6 +171,14 @@ async fn respond(s: &mut TcpStream, status: u16, body: &str) {
         .await;
 }
 
+/// Hold the connection `ms` without a byte: whether the client left meanwhile (a read of 0
+/// bytes, or an error).
+async fn client_left_within(s: &mut TcpStream, ms: u64) -> bool {
+    let mut probe = [0u8; 1];
+    let left = tokio::time::timeout(Duration::from_millis(ms), s.read(&mut probe)).await;
+    matches!(left, Ok(Ok(0)) | Ok(Err(_)))
+}
+
 fn chunk(data: &str) -> String {
     format!("{:x}\r\n{data}\r\n", data.len())
 }
@@ -234,10 +245,8 @@ impl StandIn {
             return;
         };
         let body: Value = serde_json::from_slice(&req.body).unwrap_or(Value::Null);
-        let mut probe = [0u8; 1];
         while self.frozen.load(Ordering::SeqCst) {
-            let left = tokio::time::timeout(Duration::from_millis(20), s.read(&mut probe)).await;
-            if matches!(left, Ok(Ok(0)) | Ok(Err(_))) {
+            if client_left_within(&mut s, 20).await {
                 if req.path.starts_with("/v1/") {
                     self.requests.fetch_add(1, Ordering::SeqCst);
                     self.abandoned.fetch_add(1, Ordering::SeqCst);
@@ -317,16 +326,20 @@ impl StandIn {
                     .lock()
                     .unwrap()
                     .get_or_insert_with(std::time::Instant::now);
-                // Wait out the hold, or notice the client leave (a read of 0 bytes).
-                let mut probe = [0u8; 1];
-                let left =
-                    tokio::time::timeout(Duration::from_millis(ms), s.read(&mut probe)).await;
+                let left = client_left_within(&mut s, ms).await;
                 *self.held_since.lock().unwrap() = None;
-                if matches!(left, Ok(Ok(0)) | Ok(Err(_))) {
+                if left {
                     self.abandoned.fetch_add(1, Ordering::SeqCst);
                     return;
                 }
                 self.cached.lock().unwrap().extend(keys_of(&body));
+                respond(&mut s, 200, &answer).await;
+            }
+            Behavior::AwaitKv { ms } => {
+                if client_left_within(&mut s, ms).await {
+                    self.abandoned.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
                 respond(&mut s, 200, &answer).await;
             }
             Behavior::CloseBeforeHead => {}

@@ -1,15 +1,17 @@
 //! A steady client, as a user's traffic is during a fault: one request every
 //! `period`, each on its own task with its own timeout, every outcome kept with when it
 //! was sent and answered. [`recovery`] turns the outcomes after a fault into the
-//! recovery table's per-request columns (BENCHMARKS.md), with the same definitions as
-//! `scripts/bench_recovery.py` uses on the local runtime:
+//! recovery table's per-request columns (BENCHMARKS.md), with the definitions
+//! `scripts/bench_recovery.py` uses on the local runtime, over the requests the fault could
+//! touch — sent after it, or in flight when it came (a request sent just before a decode
+//! stops is the fault's too):
 //! - refused after: from the fault to the first answer that refuses a request (a non-200
 //!   status with a reason);
-//! - longest wait: the longest any request sent after the fault waited for its answer (a
-//!   request that timed out counts its timeout);
-//! - served again: from the fault to the first answer of the requests that follow the last
+//! - longest wait: the longest any of them waited for its answer (a request that timed out
+//!   counts its timeout);
+//! - served again: from the fault to the first answer of the requests sent after the last
 //!   failed one (zero when none failed);
-//! - failed: requests sent after the fault that were not answered 200.
+//! - failed: those not answered 200.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -103,10 +105,14 @@ impl fmt::Display for Recovery {
     }
 }
 
-/// The columns of the requests sent at or after `fault` (an offset from the load's start),
-/// each request's wait capped at `timeout`.
+/// The columns of the requests the fault at `fault` (an offset from the load's start) could
+/// touch — sent at or after it, or in flight then — each request's wait capped at
+/// `timeout`.
 pub fn recovery(samples: &[Sample], fault: Duration, timeout: Duration) -> Recovery {
-    let post: Vec<&Sample> = samples.iter().filter(|s| s.sent >= fault).collect();
+    let post: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.sent >= fault || s.ended > fault)
+        .collect();
     let after = |d: Duration| d.saturating_sub(fault).as_secs_f64();
     let bad: Vec<&&Sample> = post.iter().filter(|s| s.outcome != Outcome::Ok).collect();
     let last_bad = bad.iter().map(|s| s.sent).max();

@@ -25,8 +25,10 @@ const TIMEOUT: Duration = Duration::from_secs(15);
 fn the_columns_follow_the_requests_after_the_fault() {
     let refused = || Outcome::Refused(503, "no_ready_group".into());
     let samples = [
-        // Before the fault: not counted, however it ended.
+        // Ended before the fault: not counted, however it ended.
         at(9_000, 9_100, Outcome::Timeout),
+        // In flight when the fault came: counted (its wait is the longest).
+        at(9_800, 13_400, Outcome::Ok),
         at(10_000, 13_000, Outcome::Timeout),
         at(10_500, 12_000, refused()),
         at(11_000, 11_200, refused()),
@@ -37,13 +39,13 @@ fn the_columns_follow_the_requests_after_the_fault() {
         at(13_000, 13_500, Outcome::Ok),
     ];
     let r = recovery(&samples, FAULT, TIMEOUT);
-    assert_eq!(r.requests, 7);
+    assert_eq!(r.requests, 8);
     assert_eq!(r.failed, 4);
     // The first refusal answered (11.2 s), not the first sent (12.0 s).
     assert_eq!(r.refused_after, Some(1.2));
     // The first answer of the requests sent after the last failure (sent 12.0 s): 13.5 s.
     assert_eq!(r.served_again, Some(3.5));
-    assert_eq!(r.longest_wait, 3.0);
+    assert_eq!(r.longest_wait, 3.6);
     let outcomes: Vec<(&str, usize)> = r
         .outcomes
         .iter()
@@ -61,7 +63,7 @@ fn the_columns_follow_the_requests_after_the_fault() {
     assert_eq!((refused.first_sent, refused.last_sent), (0.5, 1.0));
     assert_eq!(
         r.to_string(),
-        "refused after 1.20 s, longest wait 3.00 s, served again 3.50 s, failed 4 of 7: \
+        "refused after 1.20 s, longest wait 3.60 s, served again 3.50 s, failed 4 of 8: \
          connection error ×1 sent 2.0–2.0 s, refused 503 no_ready_group ×2 sent 0.5–1.0 s, \
          timeout ×1 sent 0.0–0.0 s"
     );

@@ -227,6 +227,18 @@ pub async fn member(env: &Env, ns: &str, name: &str, g: i32, r: &str) -> Result<
     }
 }
 
+/// The key of group `g` of deployment `name`, as the operator keeps it in the group's
+/// Secret (what signs the admin calls of an in-place reset).
+pub async fn group_key(env: &Env, ns: &str, name: &str, g: i32) -> Result<String> {
+    let key = Api::<k8s_openapi::api::core::v1::Secret>::namespaced(env.cluster.client.clone(), ns)
+        .get(&format!("{name}-g{g}-key"))
+        .await?
+        .data
+        .and_then(|d| d.get("key").cloned())
+        .context("the group key")?;
+    String::from_utf8(key.0).context("the group key is text")
+}
+
 /// The ClusterIP of Service `svc`.
 pub async fn service_ip(env: &Env, ns: &str, svc: &str) -> Result<String> {
     let v = env.kubectl.json(&["get", "service", svc, "-n", ns]).await?;
@@ -401,12 +413,12 @@ pub async fn start_load_through(ip: &str) -> Result<tandem_e2e::load::Load> {
 }
 
 /// Stop `load` 2 s from now (served again for a while) and print the per-request columns
-/// of the requests sent since `fault` (an offset on its clock) as a figure, with how the
-/// requests sent before it went (they should all have been answered).
+/// of the requests `fault` (an offset on its clock) could touch as a figure, with how the
+/// requests answered before it went (they should all have been served).
 pub async fn report_load(load: tandem_e2e::load::Load, fault: Duration, what: &str) {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let samples = load.stop().await;
-    let before: Vec<_> = samples.iter().filter(|s| s.sent < fault).collect();
+    let before: Vec<_> = samples.iter().filter(|s| s.ended < fault).collect();
     let ok = before
         .iter()
         .filter(|s| s.outcome == tandem_e2e::load::Outcome::Ok)

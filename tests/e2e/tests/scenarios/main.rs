@@ -17,6 +17,7 @@
 //! harness's own log).
 
 mod common;
+mod recovery;
 mod s01_example;
 mod s02_decode_killed;
 mod s03_prefill_stopped;
@@ -39,6 +40,7 @@ mod s19_helm_uninstall;
 mod s20_in_place;
 mod s21_router;
 mod s22_recovery_load;
+mod s23_recovery_prefill;
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -138,6 +140,12 @@ const SCENARIOS: &[Scenario] = &[
     ("s21_router", Lane::Main, Duration::from_secs(300), |e| {
         Box::pin(s21_router::run(e))
     }),
+    (
+        "s23_recovery_prefill",
+        Lane::Main,
+        Duration::from_secs(420),
+        |e| Box::pin(s23_recovery_prefill::run(e)),
+    ),
     ("s14_sigterm", Lane::Main, Duration::from_secs(300), |e| {
         Box::pin(s14_sigterm::run(e))
     }),

@@ -11,8 +11,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::core::v1::Secret;
-use kube::{Api, ResourceExt};
+use kube::ResourceExt;
 use tandem_e2e::env::Env;
 use tandem_e2e::wait;
 use tandem_operator::planner::Role;
@@ -37,13 +36,7 @@ pub async fn run(env: &Env) -> Result<()> {
             .await
             .context("decode process")?,
     );
-    let key = Api::<Secret>::namespaced(env.cluster.client.clone(), ns)
-        .get(&format!("{name}-g0-key"))
-        .await?
-        .data
-        .and_then(|d| d.get("key").cloned())
-        .context("the group key")?;
-    let key = String::from_utf8(key.0).context("the group key is text")?;
+    let key = group_key(env, ns, name, 0).await?;
     let p_ip = pod_ip(&p).context("prefill IP")?;
     let d_ip = pod_ip(&d).context("decode IP")?;
     chat(&d_ip, Duration::from_secs(60)).await?;
