@@ -29,6 +29,7 @@ const NO_PROGRESS_S: i64 = 10;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fault {
+    DecodeSigkill,
     DecodeSigstop,
     KvLoopStall,
     EngineHeld,
@@ -42,6 +43,7 @@ pub enum Fault {
 impl Fault {
     fn label(self) -> &'static str {
         match self {
+            Self::DecodeSigkill => "decode SIGKILL",
             Self::DecodeSigstop => "decode SIGSTOP",
             Self::KvLoopStall => "decode KV loop stalled 30 s",
             Self::EngineHeld => "decode engine held (no progress)",
@@ -94,9 +96,14 @@ async fn inject(
 ) -> Result<()> {
     let ip = pod_ip(decode).context("the decode's IP")?;
     match f {
-        Fault::DecodeSigstop => {
+        Fault::DecodeSigstop | Fault::DecodeSigkill => {
             let pid = env.pid_of(ns, &decode.name_any()).await?;
-            kill(Pid::from_raw(pid), Signal::SIGSTOP)?;
+            let sig = if f == Fault::DecodeSigstop {
+                Signal::SIGSTOP
+            } else {
+                Signal::SIGKILL
+            };
+            kill(Pid::from_raw(pid), sig)?;
             Ok(())
         }
         Fault::KvLoopStall => debug_fault(&ip, "loop=kv_peer_0&fault=stall&ms=30000").await,
