@@ -370,8 +370,10 @@ pub async fn chat_model(ip: &str, model: &str, timeout: Duration) -> Result<Stri
     Ok(text)
 }
 
-/// The steady client of the recovery figures: a chat every 0.3 s, 15 s timeout each.
-pub const LOAD_PERIOD: Duration = Duration::from_millis(300);
+/// The steady client of the recovery figures: a chat every 0.5 s, 15 s timeout each (a
+/// lighter load than the local benchmark's: the cluster shares two cores with the
+/// scenarios beside it).
+pub const LOAD_PERIOD: Duration = Duration::from_millis(500);
 pub const LOAD_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// A steady client (see [`tandem_e2e::load`]) of short chats against `ip:8000`. Each

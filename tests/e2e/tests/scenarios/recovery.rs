@@ -188,7 +188,7 @@ async fn under_load(
     let via_router = start_load_through(router).await?;
     let via_service = start_load_through(service).await?;
     // Served before the fault (the columns count from it): the deployment starts healthy.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
     let (fault_r, fault_s) = (via_router.now(), via_service.now());
     let t0 = Instant::now();
     let injected = inject(env, ns, name, (&prefill, &decode), f).await;
@@ -197,7 +197,7 @@ async fn under_load(
         Err(e) => Err(e),
     };
     // Served again for a while after the group is back (or the wait gave up).
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let (router_samples, service_samples) = (via_router.stop().await, via_service.stop().await);
     let mut healed = healed?;
     // The deployment was healthy: every request answered before the fault was served.

@@ -1,10 +1,10 @@
 //! Scenario 22: the recovery table's cluster rows for the decode's faults under a steady
 //! client (BENCHMARKS.md, "The recovery table"; the machinery in `recovery.rs`). A
-//! PDDeployment with the router, first with two groups, then scaled to one; in each,
-//! four faults of group 0's decode one after another — SIGKILL, SIGSTOP, its KV loop
-//! stalled 30 s, its engine holding its work without stepping — each while two clients send a chat every
-//! 0.3 s (15 s timeout each), one through the router's Service and one through the client
-//! Service. For each fault it prints both clients' per-request columns (refused after,
+//! PDDeployment with the router, first with two groups, then scaled to one; faults of
+//! group 0's decode one after another — SIGKILL, SIGSTOP, its KV loop stalled 30 s (two
+//! groups only), its engine holding its work without stepping — each while two clients
+//! send a chat every 0.5 s (15 s timeout each), one through the router's Service and one
+//! through the client Service. For each fault it prints both clients' per-request columns (refused after,
 //! longest wait, served again, failed), when the co-restart was decided, when group 0 was
 //! Ready again, and whether the weights were reloaded (new pods).
 //!
@@ -34,6 +34,13 @@ pub async fn run(env: &Env) -> Result<()> {
         Fault::EngineHeld,
     ];
     faults_under_load(env, ns, name, 2, &faults, (&router, &service)).await?;
+    // One group: the faults whose handling differs without another group (a stalled KV
+    // loop is reset in place alike; s20 shows the one-group in-place reset).
+    let faults = [
+        Fault::DecodeSigkill,
+        Fault::DecodeSigstop,
+        Fault::EngineHeld,
+    ];
     merge_patch_pdd(env, ns, name, &json!({"spec": {"groups": 1}})).await?;
     wait_ready(env, ns, name, 1, Duration::from_secs(120)).await?;
     let one_group = faults_under_load(env, ns, name, 1, &faults, (&router, &service)).await;
