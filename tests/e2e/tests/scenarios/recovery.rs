@@ -96,28 +96,22 @@ async fn inject(
 ) -> Result<()> {
     let ip = pod_ip(decode).context("the decode's IP")?;
     match f {
-        Fault::DecodeSigstop | Fault::DecodeSigkill => {
-            let pid = env.pid_of(ns, &decode.name_any()).await?;
-            let sig = if f == Fault::DecodeSigstop {
-                Signal::SIGSTOP
-            } else {
-                Signal::SIGKILL
+        Fault::DecodeSigstop
+        | Fault::DecodeSigkill
+        | Fault::PrefillSigstop
+        | Fault::PrefillSigkill => {
+            let (pod, sig) = match f {
+                Fault::DecodeSigstop => (decode, Signal::SIGSTOP),
+                Fault::DecodeSigkill => (decode, Signal::SIGKILL),
+                Fault::PrefillSigstop => (prefill, Signal::SIGSTOP),
+                _ => (prefill, Signal::SIGKILL),
             };
+            let pid = env.pid_of(ns, &pod.name_any()).await?;
             kill(Pid::from_raw(pid), sig)?;
             Ok(())
         }
         Fault::KvLoopStall => debug_fault(&ip, "loop=kv_peer_0&fault=stall&ms=30000").await,
         Fault::EngineHeld => debug_fault(&ip, "loop=engine&fault=hold&ms=120000").await,
-        Fault::PrefillSigstop | Fault::PrefillSigkill => {
-            let pid = env.pid_of(ns, &prefill.name_any()).await?;
-            let sig = if f == Fault::PrefillSigstop {
-                Signal::SIGSTOP
-            } else {
-                Signal::SIGKILL
-            };
-            kill(Pid::from_raw(pid), sig)?;
-            Ok(())
-        }
         Fault::PrefillIncarnation => {
             let key = group_key(env, ns, name, 0).await?;
             let addr = format!(
