@@ -6,12 +6,22 @@
 //! incarnation label, the `tandem.dev/group-ready` gate), watched through the API server.
 //!
 //! Served besides `/v1/*`, never behind the API keys: `/health` (the process answers),
-//! `/ready` (some group can take traffic) and `/metrics` (`tandem_router_*`).
+//! `/ready` (the router has read its deployment and answers for it) and `/metrics`
+//! (`tandem_router_*`).
+//!
+//! Why `/ready` does not wait for a Ready group: the router's readiness gates its own
+//! Service. A router taken out of its Service while the deployment's groups co-restart
+//! leaves its clients with a Service without endpoints — connections refused without a
+//! reason, or SYNs that go unanswered and are retried with TCP's backoff (seconds apart),
+//! so a request sent then is answered late or not at all. A ready router answers each such
+//! request at once: 503 `no_ready_group`, the reason and `Retry-After`. Whether a group can
+//! take traffic is in the `/ready` body (`groupsReady`).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
@@ -167,6 +177,9 @@ pub struct ClusterRouter {
     registry: Registry,
     targets: watch::Sender<Arc<Targets>>,
     inner: tandem_router::Router,
+    /// The first full lists of the PDDeployment and its decode pods have been read: the
+    /// targets published are the API server's, not the placeholder of a router starting.
+    synced: AtomicBool,
 }
 
 impl ClusterRouter {
@@ -181,12 +194,22 @@ impl ClusterRouter {
             registry,
             targets,
             inner,
+            synced: AtomicBool::new(false),
         }
     }
 
     /// Publish a new list of decodes.
     pub fn set_targets(&self, t: Targets) {
         self.targets.send_replace(Arc::new(t));
+    }
+
+    /// The targets published from now on come from complete lists of the deployment and
+    /// its pods: `/ready` answers 200 (once; it stays so while the process lives, since a
+    /// watch that fails is retried and the last view is the best there is).
+    pub fn mark_synced(&self) {
+        if !self.synced.swap(true, Ordering::SeqCst) {
+            info!("read the deployment and its decode pods: ready");
+        }
     }
 }
 
@@ -250,6 +273,13 @@ pub async fn run(
                     last_eligible = eligible;
                 }
                 router.set_targets(t);
+                // Both stores have their first full list once their `InitDone` passed.
+                let listed = |ready: Option<Result<(), _>>| ready.is_some_and(|r| r.is_ok());
+                if listed(pod_store.wait_until_ready().now_or_never())
+                    && listed(pdd_store.wait_until_ready().now_or_never())
+                {
+                    router.mark_synced();
+                }
             }
         }
     };
@@ -295,11 +325,11 @@ impl ClusterRouter {
             ),
             (&Method::GET, "/ready") => {
                 let t = self.inner.targets();
-                if t.eligible() == 0 {
+                if !self.synced.load(Ordering::SeqCst) {
                     return error(
                         StatusCode::SERVICE_UNAVAILABLE,
-                        "no_ready_group",
-                        &t.unavailable,
+                        "not_synced",
+                        "the router has not yet read its PDDeployment and decode pods from the API server",
                     );
                 }
                 let endpoints: Vec<serde_json::Value> = t
@@ -308,7 +338,14 @@ impl ClusterRouter {
                     .filter(|t| t.eligible())
                     .map(|t| serde_json::json!({"pod": t.pod, "group": t.group, "incarnation": t.incarnation, "addr": t.addr}))
                     .collect();
-                let body = serde_json::json!({"ready": true, "endpoints": endpoints});
+                let mut body = serde_json::json!({
+                    "ready": true,
+                    "groupsReady": !endpoints.is_empty(),
+                    "endpoints": endpoints,
+                });
+                if t.eligible() == 0 {
+                    body["unavailable"] = t.unavailable.clone().into();
+                }
                 text(StatusCode::OK, "application/json", body.to_string())
             }
             (&Method::GET, "/metrics") => {

@@ -169,19 +169,60 @@ fn api_keys_come_from_every_file_of_the_mounted_secret() {
     assert!(api_keys_from_dir(&dir).is_err());
 }
 
+async fn body_of(r: Response<Body>) -> serde_json::Value {
+    let b = http_body_util::BodyExt::collect(r.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    serde_json::from_slice(&b).unwrap()
+}
+
+/// The router's readiness gates its own Service: it turns ready once it has read the
+/// deployment and stays so while no group can take traffic (each request is then answered
+/// 503 `no_ready_group` at once, which a Service without endpoints cannot do).
 #[tokio::test]
-async fn the_router_is_ready_only_with_an_eligible_group() {
+async fn the_router_is_ready_once_synced_and_its_body_says_whether_a_group_can_serve() {
     let r = ClusterRouter::new(RouterConfig::default());
     let get = |path: &str| {
         Request::get(path)
             .body(http_body_util::Empty::<bytes::Bytes>::new())
             .unwrap()
     };
+    let chat = || {
+        Request::post("/v1/chat/completions")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap()
+    };
     assert_eq!(r.handle(get("/health")).await.status(), StatusCode::OK);
-    assert_eq!(
-        r.handle(get("/ready")).await.status(),
-        StatusCode::SERVICE_UNAVAILABLE
+    let unsynced = r.handle(get("/ready")).await;
+    assert_eq!(unsynced.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(body_of(unsynced).await["error"]["code"], "not_synced");
+
+    // Read: group 0 is restarting, its decode's gate closed.
+    let restarting = status(vec![group(0, GroupPhase::Restarting, 2)]);
+    r.set_targets(targets_from(
+        Some(&restarting),
+        &[decode("demo-g0-i2-d0", 0, 2, false, Some("127.0.0.1"))],
+        "demo",
+        8000,
+    ));
+    r.mark_synced();
+    let ready = r.handle(get("/ready")).await;
+    assert_eq!(ready.status(), StatusCode::OK);
+    let body = body_of(ready).await;
+    assert_eq!(body["ready"], true);
+    assert_eq!(body["groupsReady"], false);
+    assert_eq!(body["endpoints"], serde_json::json!([]));
+    assert!(
+        body["unavailable"]
+            .as_str()
+            .is_some_and(|u| u.contains("group 0 is Restarting")),
+        "{body}"
     );
+    let refused = r.handle(chat()).await;
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(body_of(refused).await["error"]["code"], "no_ready_group");
+
     let st = status(vec![group(0, GroupPhase::Ready, 1)]);
     r.set_targets(targets_from(
         Some(&st),
@@ -189,7 +230,12 @@ async fn the_router_is_ready_only_with_an_eligible_group() {
         "demo",
         8000,
     ));
-    assert_eq!(r.handle(get("/ready")).await.status(), StatusCode::OK);
+    let ready = r.handle(get("/ready")).await;
+    assert_eq!(ready.status(), StatusCode::OK);
+    let body = body_of(ready).await;
+    assert_eq!(body["groupsReady"], true);
+    assert_eq!(body["endpoints"][0]["pod"], "demo-g0-i1-d0");
+    assert!(body.get("unavailable").is_none(), "{body}");
     let m = r.handle(get("/metrics")).await;
     assert_eq!(m.status(), StatusCode::OK);
     assert_eq!(r.handle(get("/nope")).await.status(), StatusCode::NOT_FOUND);

@@ -46,6 +46,34 @@ pub const KUBELET_TIMINGS: KubeletTimings = KubeletTimings {
     node_lease_duration_s: 10,
 };
 
+/// Where every kubelet of the machine serves its device-plugin registry: fixed, whatever
+/// its `--root-dir`. A starting kubelet empties the directory, then binds the socket; two
+/// kubelets starting together can interleave (both empty it, then the second bind fails
+/// `address already in use` and that kubelet's container manager never starts — a node
+/// that never turns Ready, seen once in a run of this suite). So the nodes' kubelets start
+/// one after another, each once this socket is its own.
+const DEVICE_PLUGIN_SOCKET: &str = "/var/lib/kubelet/device-plugins/kubelet.sock";
+
+static KUBELET_START: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Wait (at most 20 s) until the kubelet spawned at `spawned` has made its device-plugin
+/// socket; a kubelet that takes longer is left to [`wait_node_ready`], which says why.
+async fn device_plugin_socket_made(node: &str, spawned: std::time::SystemTime) {
+    let made = wait::until(
+        &format!("kubelet {node} to serve {DEVICE_PLUGIN_SOCKET}"),
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        || async {
+            let m = std::fs::metadata(DEVICE_PLUGIN_SOCKET).and_then(|m| m.modified());
+            Ok(m.is_ok_and(|t| t >= spawned).then_some(()))
+        },
+    )
+    .await;
+    if let Err(e) = made {
+        warn!(node, "starting the next kubelet anyway: {e:#}");
+    }
+}
+
 pub struct Node {
     pub name: String,
     pub paths: NodePaths,
@@ -180,14 +208,21 @@ impl Node {
         if !labels.is_empty() {
             kubelet_args.push(format!("--node-labels={}", labels.join(",")));
         }
-        let kubelet = Process::spawn_in(
-            &format!("kubelet {name}"),
-            &bins.kubelet,
-            &kubelet_args,
-            &[],
-            &logs.join(format!("{name}-kubelet.log")),
-            &in_node,
-        )?;
+        let kubelet = {
+            // One kubelet starts at a time: see `DEVICE_PLUGIN_SOCKET`.
+            let _one_at_a_time = KUBELET_START.lock().await;
+            let spawned = std::time::SystemTime::now();
+            let kubelet = Process::spawn_in(
+                &format!("kubelet {name}"),
+                &bins.kubelet,
+                &kubelet_args,
+                &[],
+                &logs.join(format!("{name}-kubelet.log")),
+                &in_node,
+            )?;
+            device_plugin_socket_made(name, spawned).await;
+            kubelet
+        };
         wait_node_ready(&client, name, Duration::from_secs(180))
             .await
             .with_context(|| kubelet.log_tail(30))?;

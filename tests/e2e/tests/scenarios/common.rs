@@ -248,8 +248,10 @@ pub async fn service_ip(env: &Env, ns: &str, svc: &str) -> Result<String> {
         .to_string())
 }
 
-/// Once the router of `spec.router` has a Ready pod: its Service's ClusterIP.
-pub async fn router_ip(env: &Env, ns: &str, name: &str) -> Result<String> {
+/// Once the router of `spec.router` has a Ready pod and, through its Service, routes to
+/// `groups` Ready groups (its `/ready` body's endpoints; the router is Ready as soon as it
+/// has read the deployment, Ready groups or not): its Service's ClusterIP.
+pub async fn router_ip(env: &Env, ns: &str, name: &str, groups: usize) -> Result<String> {
     let api: Api<Pod> = Api::namespaced(env.cluster.client.clone(), ns);
     let lp = ListParams::default().labels(&format!("tandem.dev/router={name}"));
     wait::until(
@@ -266,7 +268,23 @@ pub async fn router_ip(env: &Env, ns: &str, name: &str) -> Result<String> {
         },
     )
     .await?;
-    service_ip(env, ns, &format!("{name}-router")).await
+    let ip = service_ip(env, ns, &format!("{name}-router")).await?;
+    let addr = format!("{ip}:{HTTP_PORT}");
+    wait::until(
+        &format!("the router to route to {groups} Ready group(s)"),
+        Duration::from_secs(30),
+        Duration::from_millis(300),
+        || async {
+            let Ok(r) = http::get(&addr, "/ready", Duration::from_secs(2)).await else {
+                return Ok(None);
+            };
+            let v: Value = serde_json::from_str(&r.body).unwrap_or_default();
+            let routed = v["endpoints"].as_array().map_or(0, Vec::len);
+            Ok((r.status == 200 && routed >= groups).then_some(()))
+        },
+    )
+    .await?;
+    Ok(ip)
 }
 
 /// An endpoint of a Service as the EndpointSlice controller publishes it.

@@ -242,7 +242,7 @@ pub async fn deploy(env: &Env, ns: &str, name: &str, groups: i32) -> Result<(Str
     env.kubectl.apply(ns, &pdd.to_string()).await?;
     wait_ready(env, ns, name, groups, Duration::from_secs(180)).await?;
     Ok((
-        router_ip(env, ns, name).await?,
+        router_ip(env, ns, name, groups as usize).await?,
         service_ip(env, ns, name).await?,
     ))
 }
@@ -297,6 +297,19 @@ pub async fn faults_under_load(
                 f.label()
             );
         }
+        // The router answers every request, also while no group can take one: refused
+        // with a reason at once (503 `no_ready_group`), never left to the network. (A
+        // router that took itself out of its Service while the group co-restarted left its
+        // clients' connections unanswered — retried SYNs, answered late or not at all.)
+        // Only a held engine keeps its requests: with no other group, the router waits on
+        // a stall that may pass.
+        ensure!(
+            !r.outcomes.contains_key(&Outcome::Error.to_string())
+                && (f == Fault::EngineHeld
+                    || !r.outcomes.contains_key(&Outcome::Timeout.to_string())),
+            "{}: requests through the router were not answered: {r}",
+            f.label()
+        );
         ensure!(
             r.served_again.is_some() && s.served_again.is_some(),
             "{}: not served again after the co-restart (router: {r}; Service: {s})",

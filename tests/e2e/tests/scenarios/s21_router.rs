@@ -46,7 +46,7 @@ pub async fn run(env: &Env) -> Result<()> {
     env.kubectl.apply(ns, &yaml(&pdd)).await?;
     wait_ready(env, ns, name, 2, Duration::from_secs(180)).await?;
 
-    let router_ip = router_ip(env, ns, name).await?;
+    let router_ip = router_ip(env, ns, name, 2).await?;
 
     // Both groups get traffic through the router.
     let d0 = member(env, ns, name, 0, "decode").await?;
