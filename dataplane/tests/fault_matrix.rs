@@ -682,6 +682,17 @@ fn secs(d: Option<Duration>) -> String {
         .unwrap_or_else(|| "—".into())
 }
 
+/// The runs' notes of one fault: one when every run says the same (none when none says
+/// anything), else each run's, in order.
+fn notes(rows: &[&Row]) -> String {
+    let each: Vec<&str> = rows.iter().map(|r| r.note.trim_end_matches("; ")).collect();
+    if each.iter().all(|n| *n == each[0]) {
+        each[0].to_owned()
+    } else {
+        each.join(" / ")
+    }
+}
+
 fn print_table(runs: &[Vec<Row>]) {
     println!(
         "\n| fault | visible (s) | seen as | healed after the fault ended (s) | requests in error | never ended | KV blocks leaked | log line | counter | notes |"
@@ -703,7 +714,7 @@ fn print_table(runs: &[Vec<Row>]) {
             join(&|r| format!("{}", r.leaked)),
             r0.log,
             r0.counter,
-            join(&|r| r.note.trim_end_matches("; ").to_owned()),
+            notes(&rows),
         );
     }
     println!(

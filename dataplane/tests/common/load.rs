@@ -98,21 +98,30 @@ fn is_timeout(e: &std::io::Error) -> bool {
     )
 }
 
-/// `GET /ready` with a short limit: `Some(reason)` when not ready (`"unreachable"` when it
-/// does not answer), `None` when ready.
+/// How long a probe waits for the answer: the kubelet's default `timeoutSeconds`, which a
+/// probe of the same process on a cluster would allow.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// `GET /ready` as a kubelet probes it: `Some(reason)` when not ready — `"unreachable"`
+/// when the connection fails, `"no_answer"` when the process takes the connection and
+/// answers nothing within [`PROBE_TIMEOUT`] (a stopped process: its kernel still accepts)
+/// — `None` when ready.
 pub fn probe(addr: SocketAddr) -> Option<String> {
     let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(500)) else {
         return Some("unreachable".into());
     };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = s.set_read_timeout(Some(PROBE_TIMEOUT));
     let head = format!("GET /ready HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
     if s.write_all(head.as_bytes()).is_err() {
         return Some("unreachable".into());
     }
     let mut all = String::new();
-    let _ = s.read_to_string(&mut all);
+    let read = s.read_to_string(&mut all);
     if all.starts_with("HTTP/1.1 200") {
         return None;
+    }
+    if all.is_empty() && read.as_ref().is_err_and(is_timeout) {
+        return Some("no_answer".into());
     }
     let body = all.split("\r\n\r\n").nth(1).unwrap_or("");
     let reason = serde_json::from_str::<serde_json::Value>(body)
