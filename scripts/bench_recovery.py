@@ -23,7 +23,11 @@ reset took. Faults (group 0):
     with another incarnation under a decode that kept the old one;
   no_progress: the decode's engine holds its work 60 s without stepping (fault injection);
   channel_partition: the prefill's KV port is dropped by iptables (only where iptables
-    works; otherwise one line says it was skipped).
+    works; otherwise one line says it was skipped);
+  decode_sigkill_again, prefill_sigkill_again: that crash AGAIN_AFTER seconds after the
+    group served again following an earlier decode SIGKILL (inside the backoff of the first
+    co-restart: the backoff must not turn the second crash into a long outage); the
+    columns count from the second crash.
 It prints the table with the issue's targets, and draws one fault's timeline (requests
 answered, refused and waiting over time, with the group's phases) as an SVG.
 """
@@ -64,7 +68,10 @@ def chat_body(model_name):
 CHAT = chat_body("smollm2-135m-instruct")
 FAULTS = ["decode_sigkill", "prefill_sigkill", "prefill_sigstop", "decode_sigstop",
           "kv_loop_stall", "incarnation_fault", "no_progress", "channel_partition"]
-CRASH = {"decode_sigkill", "prefill_sigkill"}
+FAULTS += ["decode_sigkill_again", "prefill_sigkill_again"]
+CRASH = {"decode_sigkill", "prefill_sigkill", "decode_sigkill_again", "prefill_sigkill_again"}
+# Seconds from the group serving again after the earlier crash to the second one.
+AGAIN_AFTER = 1.0
 HANG = {"prefill_sigstop", "decode_sigstop"}
 SESSION = {"kv_loop_stall", "incarnation_fault"}
 
@@ -163,7 +170,7 @@ class Runtime:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(os.path.join(self.dir, "runtime.log"), "w")
         self.proc = subprocess.Popen(
-            [os.path.join(ROOT, "target/release/tandem-operator"), "local", "-f", path,
+            [args.operator, "local", "-f", path,
              "--port", str(self.port), "--log-dir", os.path.join(self.dir, "logs"),
              "--dataplane", os.path.join(ROOT, "target/release/tandem-dataplane")],
             stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL, cwd=ROOT)
@@ -258,13 +265,40 @@ def inject(rt, fault, m):
     return None
 
 
+def group0(rt):
+    return ((rt.status().get("status") or {}).get("groupStatuses") or [{}])[0]
+
+
+def served_again_after(rt, client, since, inc, max_s=60.0):
+    """Wait until group 0 is Ready past incarnation `inc` and a request sent after that was
+    answered; exits the benchmark if that takes longer than `max_s`."""
+    while time.time() - since < max_s:
+        time.sleep(0.1)
+        g0 = group0(rt)
+        if g0.get("phase") == "Ready" and g0.get("incarnation", 0) > inc:
+            ready_at = time.time()
+            while time.time() - ready_at < 20:
+                with client.lock:
+                    if any(r[0] > ready_at and r[2] == "ok" for r in client.results):
+                        return
+                time.sleep(0.05)
+    sys.exit(f"group 0 did not serve again within {max_s} s of the earlier crash; see {rt.dir}")
+
+
 def measure(rt, fault, max_s=120.0):
     client = Client(rt.base)
     before = rt.members()
     client.thread.start()
     time.sleep(2.0)
+    earlier = None
+    if fault.endswith("_again"):
+        earlier = time.time()
+        inject(rt, "decode_sigkill", before)
+        served_again_after(rt, client, earlier, before["decode"]["incarnation"])
+        time.sleep(AGAIN_AFTER)
+        before = rt.members()
     t0 = time.time()
-    undo = inject(rt, fault, before)
+    undo = inject(rt, fault.removesuffix("_again"), before)
     # Until group 0 is Ready at a newer incarnation (its co-restart, in place or not, is
     # done) and every request has been served for 3 s (or the limit).
     inc0 = before["decode"]["incarnation"]
@@ -299,8 +333,10 @@ def measure(rt, fault, max_s=120.0):
     refused = [r for r in post if r[2].startswith("refused")]
     rec = st["record"]
     ev = lambda reason: next((e for e in rec if e.get("reason") == reason and ts(e["time"]) >= t0), None)
+    # The co-restart's own Event ("group 0 co-restart …"), not a phase change that names
+    # one held back by the backoff.
     decided = next((e for e in rec if e["kind"] == "Event" and ts(e["time"]) >= t0
-                    and "co-restart" in e["message"]), None)
+                    and e["message"].startswith("group 0 co-restart")), None)
     reset_done = ev("InPlaceResetCompleted")
     reset_took = None
     if reset_done and decided:
@@ -319,6 +355,7 @@ def measure(rt, fault, max_s=120.0):
         "decided_after": (ts(decided["time"]) - t0) if decided else None,
         "in_place": bool(decided and "in place" in decided["message"]),
         "reset_took": reset_took,
+        "after_earlier": (t0 - earlier) if earlier else None,
         "results": res,
         "t0": t0,
         "record": [e for e in rec if ts(e["time"]) >= t0 - 3],
@@ -432,6 +469,8 @@ def main():
     ap.add_argument("--unresponsive-grace", type=int, help="health.unresponsiveGraceSeconds instead of the example's")
     ap.add_argument("--period", type=float, default=0.1,
                     help="seconds between the client's requests (a larger model needs more)")
+    ap.add_argument("--operator", default=os.path.join(ROOT, "target/release/tandem-operator"),
+                    help="the tandem-operator binary to run (an older build, for an A/B)")
     ap.add_argument("--model", help="a model of scripts/fetch-model.sh (fetched if absent) instead of SmolLM2, "
                     "to show the reload an in-place reset avoids")
     args = ap.parse_args()
@@ -464,7 +503,9 @@ def main():
                   f"{fmt(r['longest_wait'])}, served again {fmt(r['served_again'])}, failed "
                   f"{r['failed']}/{r['requests']} {r['outcomes']}, reloaded {r['reloaded']}, "
                   f"co-restart at {fmt(r['decided_after'])}{' in place' if r['in_place'] else ''}"
-                  f", reset {fmt(r['reset_took'])}", flush=True)
+                  f", reset {fmt(r['reset_took'])}"
+                  f"{', ' + fmt(r['after_earlier']) + ' after the earlier crash' if r['after_earlier'] else ''}",
+                  flush=True)
             if groups == args.groups[0] and fault == args.svg_fault:
                 svg(r, args.svg, f"{fault.replace('_', ' ')}, {groups} group(s), local runtime, {model_label}")
     print(open("/proc/loadavg").read().strip(), "(load after)")

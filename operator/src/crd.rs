@@ -409,7 +409,10 @@ impl Default for RestartSpec {
     }
 }
 
-/// Exponential backoff between co-restarts of the same group: base × 2^(n-1), capped.
+/// Exponential backoff between failure co-restarts of the same group: base × 2^(n-1),
+/// capped. It holds a group that fails again before it is Ready at its new incarnation (a
+/// crash loop), and one that has failed twice in a row after serving without staying Ready
+/// for maxSeconds; a group that came back Ready and fails once more is repaired at once.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct BackoffSpec {

@@ -447,6 +447,21 @@ pub(super) fn step_group(
     mem
 }
 
+/// Failures in a row after which a group that serves between them is held by the backoff
+/// too (see [`repaired_at_once`]).
+pub const FLAPPING_STREAK: i32 = 2;
+
+/// Whether a failure co-restart goes ahead inside the backoff. The backoff is for a group
+/// that cannot stay up: one that fails again before it is Ready at its new incarnation (a
+/// crash loop: a bad model path, an OOM at load), or one that keeps failing after serving
+/// ([`FLAPPING_STREAK`] failure co-restarts in a row without staying Ready for
+/// `backoff.maxSeconds`). A group that came back Ready and then fails, once, is repaired at
+/// once: two unrelated crashes a few seconds apart (a prefill OOM-killed, then the decode
+/// on a node under pressure) are two short outages, not one held for `baseSeconds`.
+fn repaired_at_once(mem: &GroupStatus) -> bool {
+    mem.ready_since.is_some() && mem.backoff_streak < FLAPPING_STREAK
+}
+
 /// Start a co-restart unless policy or backoff hold it back. Returns true when started.
 fn co_restart(
     ctx: &mut Ctx<'_>,
@@ -466,6 +481,7 @@ fn co_restart(
     if is_failure(t.reason)
         && let Some(after) = &mem.next_restart_after
         && after.0 > now
+        && !repaired_at_once(mem)
     {
         // No countdown in the message: it would change the status on every reconcile.
         // `nextRestartAfter` says when.

@@ -9,6 +9,8 @@
 //! - I6 a delete for a rollout, a restart request or a scale-down, and of a member that is
 //!   ready, keeps the full grace; a failure co-restart removes a member that has exited or
 //!   whose node is lost with `health.unresponsiveGraceSeconds`;
+//! - I8 the backoff holds a failure co-restart only for a group that has not been Ready
+//!   since its last co-restart, or that has failed `FLAPPING_STREAK` times in a row;
 //!
 //! and at the end of each sequence (faults stopped) I4: the cluster converges to every
 //! group Ready at the update revision within a bounded number of reconciles.

@@ -397,6 +397,27 @@ impl Sim {
             self.rolling.len(),
             self.rolling
         );
+        // I8: the backoff holds only a group that cannot stay up: one that has not been
+        // Ready at its incarnation since its last co-restart (a crash loop), or one with
+        // `FLAPPING_STREAK` failures in a row. A group that served again and fails once
+        // more is repaired at once.
+        if let Some(st) = &self.status {
+            for g in &st.group_statuses {
+                let held = g.phase == GroupPhase::Broken
+                    && g.message
+                        .as_deref()
+                        .is_some_and(|m| m.contains("held back by backoff"));
+                assert!(
+                    !held
+                        || g.ready_since.is_none()
+                        || g.backoff_streak >= super::group::FLAPPING_STREAK,
+                    "I8: group {} held by the backoff after serving again (streak {}): {:?}",
+                    g.index,
+                    g.backoff_streak,
+                    g.message
+                );
+            }
+        }
         // The readiness gate is open only on decode pods of a Ready group.
         if let Some(st) = &self.status {
             for p in self.pods.values().filter(|p| p.group_ready_gate) {

@@ -580,26 +580,43 @@ fn restart_request_in_the_future_is_ignored() {
     assert!(sim.reconcile().co_restarts.is_empty());
 }
 
+/// Fail group 0's decode; the plan of the reconcile that saw it.
+fn fail_decode(sim: &mut Sim) -> Plan {
+    let d = only_pod(sim, 0, Role::Decode);
+    sim.fail(&d);
+    sim.reconcile()
+}
+
+/// Rebuild group 0 to Ready without letting time pass (well inside any backoff).
+fn rebuild_at_once(sim: &mut Sim) {
+    for _ in 0..6 {
+        sim.finish_terminations();
+        sim.start_pending();
+        sim.reconcile();
+    }
+    assert_eq!(sim.group(0).phase, GroupPhase::Ready);
+}
+
+/// The backoff is held only once the group is flapping: from its `FLAPPING_STREAK + 1`-th
+/// failure in a row, each after it served again; then `base × 2^(n-1)`, capped at max.
 #[test]
-fn repeated_failures_back_off_exponentially() {
+fn repeated_failures_back_off_exponentially_once_the_group_flaps() {
     let mut s = spec(1);
     s.restart.backoff.base_seconds = 10;
     s.restart.backoff.max_seconds = 25;
     let mut sim = Sim::new(s);
     sim.settle(20);
     let mut delays = vec![];
-    for round in 0..4 {
-        let d = only_pod(&sim, 0, Role::Decode);
-        sim.fail(&d);
-        let plan = sim.reconcile();
-        if round == 0 {
+    for round in 0..5 {
+        let plan = fail_decode(&mut sim);
+        if round < super::group::FLAPPING_STREAK {
             assert_eq!(
                 plan.co_restarts.len(),
                 1,
-                "the first co-restart is immediate"
+                "round {round}: a group that served again is repaired at once"
             );
         } else {
-            assert!(plan.co_restarts.is_empty(), "held back");
+            assert!(plan.co_restarts.is_empty(), "round {round}: held back");
             assert_eq!(sim.group(0).phase, GroupPhase::Broken);
             let c = condition_of(&sim, conditions::DEGRADED);
             assert_eq!(
@@ -613,15 +630,65 @@ fn repeated_failures_back_off_exponentially() {
         }
         let next = sim.group(0).next_restart_after.clone().unwrap();
         assert!(next.0 > sim.now);
-        // Rebuild quickly (well inside the backoff window).
-        for _ in 0..6 {
-            sim.finish_terminations();
-            sim.start_pending();
-            sim.reconcile();
-        }
-        assert_eq!(sim.group(0).phase, GroupPhase::Ready);
+        rebuild_at_once(&mut sim);
     }
-    assert_eq!(delays, vec![10, 20, 25], "base × 2^(n-1), capped at max");
+    // Held after the 2nd, 3rd and 4th co-restarts of the streak.
+    assert_eq!(delays, vec![20, 25, 25], "base × 2^(n-1), capped at max");
+}
+
+/// Issue 22's target: a crash a few seconds after an earlier one, once the group served
+/// again, is repaired at once — the backoff does not turn it into a `baseSeconds` outage.
+#[test]
+fn a_failure_after_the_group_served_again_is_repaired_at_once() {
+    let mut s = spec(1);
+    s.restart.backoff.base_seconds = 60;
+    let mut sim = Sim::new(s);
+    sim.settle(20);
+    assert_eq!(fail_decode(&mut sim).co_restarts.len(), 1);
+    rebuild_at_once(&mut sim);
+    sim.advance(3);
+    // The prefill this time: another member, another cause, a few seconds later.
+    let p = only_pod(&sim, 0, Role::Prefill);
+    sim.fail(&p);
+    let plan = sim.reconcile();
+    assert_eq!(
+        plan.co_restarts.len(),
+        1,
+        "not held by the first one's backoff"
+    );
+    assert_eq!(sim.group(0).backoff_streak, 2, "the streak still counts it");
+}
+
+/// A group that fails again before it is Ready at its new incarnation (a crash loop) is
+/// held by the backoff from its second failure.
+#[test]
+fn a_crash_loop_is_held_by_the_backoff_from_its_second_failure() {
+    let mut s = spec(1);
+    s.restart.backoff.base_seconds = 10;
+    let mut sim = Sim::new(s);
+    sim.settle(20);
+    assert_eq!(fail_decode(&mut sim).co_restarts.len(), 1);
+    // The new prefill starts and fails before the group is Ready again.
+    for _ in 0..3 {
+        sim.finish_terminations();
+        sim.reconcile();
+    }
+    sim.start_pending();
+    sim.reconcile();
+    assert_ne!(sim.group(0).phase, GroupPhase::Ready);
+    assert!(sim.group(0).ready_since.is_none());
+    let p = only_pod(&sim, 0, Role::Prefill);
+    sim.fail(&p);
+    let plan = sim.reconcile();
+    assert!(plan.co_restarts.is_empty(), "held back");
+    assert_eq!(sim.group(0).phase, GroupPhase::Broken);
+    let wait = plan.requeue_after.expect("requeue at the deadline");
+    assert!(
+        wait <= Duration::from_secs(10) && wait > Duration::ZERO,
+        "{wait:?}"
+    );
+    sim.advance(wait.as_secs());
+    assert_eq!(sim.reconcile().co_restarts.len(), 1);
 }
 
 #[test]
