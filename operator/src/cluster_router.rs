@@ -11,9 +11,10 @@
 //!
 //! Why `/ready` does not wait for a Ready group: the router's readiness gates its own
 //! Service. A router taken out of its Service while the deployment's groups co-restart
-//! leaves its clients with a Service without endpoints — connections refused without a
-//! reason, or SYNs that go unanswered and are retried with TCP's backoff (seconds apart),
-//! so a request sent then is answered late or not at all. A ready router answers each such
+//! leaves its clients with a Service without endpoints: kube-proxy refuses with ICMP, which
+//! the node's kernel rate-limits per destination host (one a second), so a busy client's
+//! SYNs go unanswered and are retried with TCP's backoff (seconds apart), and a request
+//! sent then is answered late or not at all. A ready router answers each such
 //! request at once: 503 `no_ready_group`, the reason and `Retry-After`. Whether a group can
 //! take traffic is in the `/ready` body (`groupsReady`).
 
