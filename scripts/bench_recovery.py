@@ -67,8 +67,8 @@ def chat_body(model_name):
 
 CHAT = chat_body("smollm2-135m-instruct")
 FAULTS = ["decode_sigkill", "prefill_sigkill", "prefill_sigstop", "decode_sigstop",
-          "kv_loop_stall", "incarnation_fault", "no_progress", "channel_partition"]
-FAULTS += ["decode_sigkill_again", "prefill_sigkill_again"]
+          "kv_loop_stall", "incarnation_fault", "no_progress", "channel_partition",
+          "decode_sigkill_again", "prefill_sigkill_again"]
 CRASH = {"decode_sigkill", "prefill_sigkill", "decode_sigkill_again", "prefill_sigkill_again"}
 # Seconds from the group serving again after the earlier crash to the second one.
 AGAIN_AFTER = 1.0

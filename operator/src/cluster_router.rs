@@ -276,7 +276,8 @@ pub async fn run(
                 router.set_targets(t);
                 // Both stores have their first full list once their `InitDone` passed.
                 let listed = |ready: Option<Result<(), _>>| ready.is_some_and(|r| r.is_ok());
-                if listed(pod_store.wait_until_ready().now_or_never())
+                if !router.synced.load(Ordering::SeqCst)
+                    && listed(pod_store.wait_until_ready().now_or_never())
                     && listed(pdd_store.wait_until_ready().now_or_never())
                 {
                     router.mark_synced();
@@ -344,7 +345,7 @@ impl ClusterRouter {
                     "groupsReady": !endpoints.is_empty(),
                     "endpoints": endpoints,
                 });
-                if t.eligible() == 0 {
+                if body["endpoints"].as_array().is_some_and(Vec::is_empty) {
                     body["unavailable"] = t.unavailable.clone().into();
                 }
                 text(StatusCode::OK, "application/json", body.to_string())
